@@ -1,0 +1,231 @@
+"""The two plugin interfaces: a transfer engine moves bytes, a control channel moves frames.
+
+Both are deliberately small. A backend implements one of them in its own distribution and
+publishes it under an entry-point group (see ``rd2h.plugins``); ``rd2h.testing`` checks it.
+
+Addresses and lengths cross the engine interface as numpy ``int64`` arrays: one layer can
+carry 10^5 descriptors, and a Python list per block would dominate the cost of the read.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "Capability",
+    "Region",
+    "Availability",
+    "Session",
+    "TransferEngine",
+    "Listener",
+    "Dialer",
+    "ControlChannel",
+]
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class Capability(enum.Flag):
+    """What an engine can do; the runtimes check these before choosing destinations."""
+
+    NONE = 0
+    READ_FROM_HOST = enum.auto()  # the peer's regions may be host memory
+    READ_FROM_DEVICE = enum.auto()  # the peer's regions may be accelerator memory
+    WRITE_TO_HOST = enum.auto()  # local destinations may be host memory
+    WRITE_TO_DEVICE = enum.auto()  # local destinations may be accelerator memory
+    CROSS_HOST = enum.auto()  # the peer may live on another machine
+    NEEDS_REGISTERED_DESTINATIONS = enum.auto()  # local destinations must be registered first
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One contiguous range of memory, ``[addr, addr + length)``, on ``device``."""
+
+    addr: int
+    length: int
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.addr < 0 or self.length <= 0:
+            raise ValueError(f"region needs addr >= 0 and length > 0, got {self.addr:#x}+{self.length}")
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """Whether a backend can run on this machine, and if not, why (shown by `rd2h backends`)."""
+
+    ok: bool
+    reason: str = ""
+
+
+class Session(abc.ABC):
+    """A connection from a local engine to one peer engine, made by ``TransferEngine.connect``."""
+
+    @property
+    @abc.abstractmethod
+    def peer_id(self) -> str:
+        """The peer's engine identity (its ``TransferEngine.session_id``)."""
+
+    @property
+    @abc.abstractmethod
+    def peer_regions(self) -> tuple[Region, ...]:
+        """The regions the peer registered; every remote read must fall inside one."""
+
+    def close(self) -> None:
+        """Forget the peer. Idempotent."""
+
+
+class TransferEngine(abc.ABC):
+    """Reads batches of remote ranges into local memory, synchronously.
+
+    One engine per process, bound to one role, device and host. The Prefill side
+    ``register``s its sources and sends the returned metadata to Decode; the Decode side
+    ``register``s its destinations, ``connect``s with that metadata and calls ``read_batch``.
+
+    Engines are built as ``cls(role="prefill" | "decode", **options)`` (``rd2h.plugins``
+    does this by name); an unknown option raises ``ConfigError``.
+    """
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[Capability] = Capability.NONE
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Whether this engine can run here. Must not raise and must not start anything."""
+        return Availability(True)
+
+    @property
+    @abc.abstractmethod
+    def session_id(self) -> str:
+        """This engine's identity as peers name it (MemFabric: ``"ip:port"``)."""
+
+    @abc.abstractmethod
+    def register(self, regions: Sequence[Region]) -> bytes:
+        """Register memory for reads (Prefill: sources) or as destinations (Decode).
+
+        Returns opaque metadata for the peer's ``connect``; it covers every region
+        registered so far. Raises ``TransferError`` when the engine refuses.
+        """
+
+    @abc.abstractmethod
+    def connect(self, peer_metadata: bytes) -> Session:
+        """Open a session to the peer that produced ``peer_metadata`` with its ``register``.
+
+        Raises ``TransferError`` when the peer cannot be reached (another host for a
+        same-host engine, a malformed blob, a dead peer).
+        """
+
+    @abc.abstractmethod
+    def read_batch(
+        self,
+        session: Session,
+        local_addrs: Int64Array,
+        remote_addrs: Int64Array,
+        lengths: Int64Array,
+    ) -> None:
+        """Copy ``lengths[i]`` bytes from ``remote_addrs[i]`` in the peer to ``local_addrs[i]``.
+
+        All or nothing from the caller's view: returns when every byte arrived, raises
+        ``TransferError`` (``PeerGoneError``, ``TransferTimeout``) otherwise. Remote ranges
+        outside ``session.peer_regions`` raise ``RegionError`` before anything is copied.
+        """
+
+    def close(self) -> None:
+        """Release every registration and session. Idempotent."""
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+
+
+class Listener(abc.ABC):
+    """The Decode end of a control channel: bound to one address, talks to many Prefill peers."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The bound address, e.g. ``"tcp://127.0.0.1:5600"``."""
+
+    @abc.abstractmethod
+    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
+        """Next ``(peer, payload)``; ``None`` after ``timeout`` seconds with nothing.
+
+        ``peer`` is an opaque identity to pass back to ``send``.
+        """
+
+    @abc.abstractmethod
+    def send(self, peer: bytes, payload: bytes) -> None:
+        """Send one payload to a peer that spoke to us."""
+
+    def close(self) -> None:
+        """Unbind. Idempotent."""
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Dialer(abc.ABC):
+    """The Prefill end of a control channel: one connection per Decode address, made on demand."""
+
+    @abc.abstractmethod
+    def send(self, address: str, payload: bytes) -> None:
+        """Send one payload to the Decode endpoint at ``address`` (connecting if needed)."""
+
+    @abc.abstractmethod
+    def recv(self, timeout: float) -> tuple[str, bytes] | None:
+        """Next ``(address, payload)`` from any connected endpoint; ``None`` after ``timeout``."""
+
+    @abc.abstractmethod
+    def disconnect(self, address: str) -> None:
+        """Drop the connection to ``address`` and anything queued for it."""
+
+    def close(self) -> None:
+        """Close every connection. Idempotent."""
+
+    def __enter__(self) -> Dialer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ControlChannel(abc.ABC):
+    """Makes listeners and dialers. Frames carry encoded protocol messages; the channel
+    knows nothing of their meaning. Built as ``cls(**options)``; an unknown option raises
+    ``ConfigError``."""
+
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Whether this channel can run here. Must not raise and must not start anything."""
+        return Availability(True)
+
+    @abc.abstractmethod
+    def listen(self, address: str) -> Listener:
+        """Bind now, e.g. ``"tcp://0.0.0.0:5600"``. Raises ``PortInUseError`` at once if taken."""
+
+    @abc.abstractmethod
+    def dialer(self) -> Dialer:
+        """A dialer that connects to Decode listeners on first send."""

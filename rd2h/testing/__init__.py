@@ -1,0 +1,1 @@
+"""Conformance suite for backend authors (pytest plugin)."""
