@@ -29,7 +29,9 @@ status codes or status strings are returned to callers.
     │   ├── PortInUseError           bind failed because the address is taken
     │   └── FrameTooLargeError       a frame above the configured size limit
     ├── GateTimeout                  a storage slot was not released in time (dead Decode?)
-    └── LayerFailedError             Decode answered READ_FAILED; raised on the Prefill compute path
+    ├── LayerFailedError             Decode answered READ_FAILED; raised on the Prefill compute path
+    └── StateError                   an event that is illegal in the tracked state (a usage error)
+        └── UnknownRequestError      a request id the tracker does not know
 
 Errors that are also built-in kinds (a timeout, a value error) inherit from the built-in
 too, so ``except TimeoutError`` keeps working for callers who do not know rd2h.
@@ -65,6 +67,8 @@ __all__ = [
     "FrameTooLargeError",
     "GateTimeout",
     "LayerFailedError",
+    "StateError",
+    "UnknownRequestError",
 ]
 
 
@@ -175,3 +179,15 @@ class GateTimeout(RD2HError, TimeoutError):
 
 class LayerFailedError(RD2HError):
     """A Decode endpoint answered READ_FAILED for a layer; raised where Prefill waits."""
+
+
+class StateError(RD2HError):
+    """An event that is illegal in the current state of a tracked slot, layer or request:
+    a usage error (or a peer's inconsistent signals). The message names the state and event."""
+
+
+class UnknownRequestError(StateError, KeyError):
+    """A request id the tracker does not know (never expected, or already forgotten)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
