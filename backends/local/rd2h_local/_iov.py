@@ -1,0 +1,146 @@
+"""iovec arrays and the copy loop around ``process_vm_readv``.
+
+An iovec array is an ``(n, 2)`` uint64 C-contiguous numpy array: column 0 the address,
+column 1 the length, which is exactly ``struct iovec[n]`` on 64-bit Linux. Local and
+remote arrays are built side by side with equal lengths, so both advance in lockstep.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import time
+
+import numpy as np
+import numpy.typing as npt
+
+from rd2h.errors import PeerGoneError, TransferError, TransferTimeout
+from rd2h_local import _sys
+
+__all__ = ["IovPair", "build", "split", "copy"]
+
+U64 = npt.NDArray[np.uint64]
+_IOV_BYTES = 16
+
+if ctypes.sizeof(ctypes.c_void_p) != 8:  # pragma: no cover - 32-bit hosts
+    raise ImportError("rd2h-local needs a 64-bit platform (struct iovec is two 64-bit words)")
+
+
+class IovPair:
+    """Matching local and remote iovec arrays for one share of a batch."""
+
+    __slots__ = ("local", "remote")
+
+    def __init__(self, local: U64, remote: U64) -> None:
+        self.local = local
+        self.remote = remote
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local[:, 1].sum())
+
+
+def build(local_addrs: npt.NDArray[np.int64], remote_addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> IovPair:
+    """Both iovec arrays for a batch, without a Python loop per descriptor."""
+    n = len(lengths)
+    local = np.empty((n, 2), dtype=np.uint64)
+    remote = np.empty((n, 2), dtype=np.uint64)
+    local[:, 0] = local_addrs
+    local[:, 1] = lengths
+    remote[:, 0] = remote_addrs
+    remote[:, 1] = lengths
+    return IovPair(local, remote)
+
+
+def split(pair: IovPair, parts: int, align: int = 4096) -> list[IovPair]:
+    """Cut a batch into ``parts`` shares of nearly equal bytes (cuts on ``align`` multiples
+    of the byte stream, inside a descriptor where needed). Each share owns its arrays."""
+    lengths = pair.local[:, 1]
+    ends = np.cumsum(lengths, dtype=np.uint64)
+    total = int(ends[-1]) if len(ends) else 0
+    cuts = [0]
+    for k in range(1, parts):
+        cut = (total * k // parts) // align * align
+        if cut > cuts[-1]:
+            cuts.append(cut)
+    cuts.append(total)
+    shares = []
+    for a, b in zip(cuts, cuts[1:]):
+        if b <= a:
+            continue
+        first = int(np.searchsorted(ends, a, side="right"))  # first descriptor ending after a
+        last = int(np.searchsorted(ends, b, side="left"))  # descriptor holding byte b-1
+        local = pair.local[first : last + 1].copy()
+        remote = pair.remote[first : last + 1].copy()
+        skip = a - (int(ends[first]) - int(lengths[first]))
+        for arr in (local, remote):
+            arr[0, 0] += np.uint64(skip)
+            arr[0, 1] -= np.uint64(skip)
+            arr[-1, 1] -= np.uint64(int(ends[last]) - b)
+        shares.append(IovPair(local, remote))
+    return shares
+
+
+def _failure(err: int, pid: int, pair: IovPair, i: int) -> TransferError:
+    lo, ln = int(pair.local[i, 0]), int(pair.local[i, 1])
+    ro = int(pair.remote[i, 0])
+    if err == errno.ESRCH:
+        return PeerGoneError(f"peer process {pid} is gone (process_vm_readv: ESRCH)")
+    if err == errno.EPERM:
+        return TransferError(
+            f"not allowed to read the memory of process {pid} (process_vm_readv: EPERM). "
+            "The peer must allow it: with kernel.yama.ptrace_scope=1 the Prefill process calls "
+            "prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) (the local engine does so in register()); "
+            "otherwise give the Decode process CAP_SYS_PTRACE, run both as the same user, or set "
+            "kernel.yama.ptrace_scope=0"
+        )
+    if err == errno.EFAULT:
+        return TransferError(
+            f"bad address: remote [{ro:#x}, +{ln}) in process {pid} or local [{lo:#x}, +{ln}) here "
+            "is not mapped (process_vm_readv: EFAULT); was the memory freed after register()?"
+        )
+    if err == errno.ENOMEM:
+        return TransferError("the kernel could not allocate memory for the copy (process_vm_readv: ENOMEM)")
+    return TransferError(f"process_vm_readv from process {pid} failed: {errno.errorcode.get(err, err)} ({err})")
+
+
+def copy(pid: int, pair: IovPair, deadline: float, stop: list[bool] | None = None) -> None:
+    """Copy one share, IOV_MAX iovecs per call, resuming after partial transfers.
+
+    The share's arrays are advanced in place. ``stop[0]`` set by another share aborts
+    between calls. Raises ``TransferError`` (``PeerGoneError``, ``TransferTimeout``).
+    """
+    local, remote = pair.local, pair.remote
+    lbase, rbase = local.ctypes.data, remote.ctypes.data
+    n = len(local)
+    i = 0
+    while i < n:
+        k = min(_sys.IOV_MAX, n - i)
+        want = int(local[i : i + k, 1].sum())
+        got = _sys.process_vm_readv(pid, lbase + i * _IOV_BYTES, k, rbase + i * _IOV_BYTES, k, 0)
+        if got == want:
+            i += k
+        elif got < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise _failure(err, pid, pair, i)
+        elif got == 0 or got > want:
+            raise TransferError(f"process_vm_readv from process {pid} returned {got} of {want} bytes at {int(remote[i, 0]):#x}")
+        else:
+            # Partial: skip the whole iovecs done, then the done head of the next one.
+            ends = np.cumsum(local[i : i + k, 1])
+            e = int(np.searchsorted(ends, got, side="right"))
+            head = got - (int(ends[e - 1]) if e else 0)
+            i += e
+            if head:
+                step = np.uint64(head)
+                local[i, 0] += step
+                remote[i, 0] += step
+                local[i, 1] -= step
+                remote[i, 1] -= step
+        if i < n:
+            if stop is not None and stop[0]:
+                return
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"read from process {pid} did not finish in time ({n - i} iovecs left)")

@@ -1,0 +1,324 @@
+"""Same-host pull: Decode copies straight out of the Prefill process with ``process_vm_readv``.
+
+One copy, no shared-memory setup on the Prefill side. The Prefill side only registers
+its regions (and, where Yama restricts ptrace, allows any same-user process to read it);
+the Decode side connects with the Prefill metadata and reads batches of ranges.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import numpy as np
+import numpy.typing as npt
+
+from rd2h.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    PeerGoneError,
+    RegionError,
+    TransferError,
+    TransferTimeout,
+)
+from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
+from rd2h_local import _iov, _metadata, _sys
+from rd2h_local._regions import RegionBounds
+
+__all__ = ["LocalEngine", "LocalSession"]
+
+Int64Array = npt.NDArray[np.int64]
+
+_ROLES = ("prefill", "decode")
+# Below this a batch is copied on the calling thread: a hand-off to the pool costs tens of
+# microseconds, about what one thread copies in 256 KiB. Measured in bench/local_engine.py.
+DEFAULT_PARALLEL_THRESHOLD = 4 << 20
+DEFAULT_TIMEOUT = 30.0
+
+
+class LocalSession(Session):
+    """A connection to one peer process on this host."""
+
+    def __init__(self, info: _metadata.PeerInfo, handle: _sys.ProcessHandle) -> None:
+        self._info = info
+        self._handle = handle
+        self.bounds = RegionBounds(info.regions)
+        self.closed = False
+
+    @property
+    def peer_id(self) -> str:
+        return f"local:{self._info.hostname}:{self._info.pid}"
+
+    @property
+    def peer_regions(self) -> tuple[Region, ...]:
+        return self.bounds.regions
+
+    @property
+    def pid(self) -> int:
+        return self._info.pid
+
+    def peer_exited(self) -> bool:
+        return self._handle.exited()
+
+    def close(self) -> None:
+        self.closed = True
+        self._handle.close()
+
+
+def _unknown_options(unknown: dict[str, object]) -> ConfigError:
+    known = "threads, parallel_threshold_bytes, timeout"
+    return ConfigError(f"unknown option(s) for the local engine: {', '.join(sorted(unknown))} (known: {known})")
+
+
+class LocalEngine(TransferEngine):
+    """Transfer engine for Prefill and Decode on one host (one Linux kernel, one pid namespace).
+
+    Options: ``threads`` (copy threads for big batches; default ``min(4, cpu_count)``),
+    ``parallel_threshold_bytes`` (batches above it are split across the threads) and
+    ``timeout`` (seconds a ``read_batch`` may take). Unknown options raise ``ConfigError``.
+    Host memory only: device memory needs an engine with ``READ_FROM_DEVICE``.
+    """
+
+    name = "local"
+    # Destinations are checked against registered regions, so they must be registered.
+    capabilities = Capability.READ_FROM_HOST | Capability.WRITE_TO_HOST | Capability.NEEDS_REGISTERED_DESTINATIONS
+
+    @classmethod
+    def availability(cls) -> Availability:
+        ok, reason = _sys.syscall_available()
+        return Availability(ok, reason)
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        threads: int | None = None,
+        parallel_threshold_bytes: int = DEFAULT_PARALLEL_THRESHOLD,
+        timeout: float = DEFAULT_TIMEOUT,
+        **unknown: object,
+    ) -> None:
+        if unknown:
+            raise _unknown_options(unknown)
+        if role not in _ROLES:
+            raise ConfigError(f"role must be one of {_ROLES}, got {role!r}")
+        if threads is None:
+            threads = min(4, os.cpu_count() or 1)
+        if type(threads) is not int or threads < 1:
+            raise ConfigError(f"threads must be a positive integer, got {threads!r}")
+        if type(parallel_threshold_bytes) is not int or parallel_threshold_bytes < 0:
+            raise ConfigError(f"parallel_threshold_bytes must be an integer >= 0, got {parallel_threshold_bytes!r}")
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        ok, reason = _sys.syscall_available()
+        if not ok:
+            raise BackendUnavailableError(f"the local engine cannot run here: {reason}")
+        self.role = role
+        self.threads = threads
+        self.parallel_threshold_bytes = parallel_threshold_bytes
+        self.timeout = float(timeout)
+        self._boot_id = _sys.boot_id()
+        self._hostname = _sys.hostname()
+        self._pidns = _sys.pid_namespace()
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._bounds = RegionBounds(())
+        self._sessions: list[LocalSession] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._ptracer_set = False
+
+    # -- identity and registration ------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        return f"local:{self._hostname}:{self._pid}"
+
+    @property
+    def registered_regions(self) -> tuple[Region, ...]:
+        return self._bounds.regions
+
+    def register(self, regions: Sequence[Region]) -> bytes:
+        """Add host regions; returns metadata covering all of them. ``TransferError`` for
+        device memory or a closed engine."""
+        self._check_open()
+        for r in regions:
+            if r.device != "cpu":
+                raise TransferError(
+                    f"the local engine reads and writes host memory only; region {r.addr:#x}+{r.length} "
+                    f"is on {r.device!r}: use an engine with device capabilities (e.g. memfabric)"
+                )
+        with self._lock:
+            self._bounds = RegionBounds(self._bounds.regions + tuple(regions))
+            if self.role == "prefill" and not self._ptracer_set:
+                self._ptracer_set = _sys.allow_any_ptracer()
+            info = _metadata.PeerInfo(
+                self._boot_id,
+                self._hostname,
+                self._pidns,
+                self._pid,
+                _sys.start_time(self._pid),
+                self._bounds.regions,
+            )
+        return _metadata.encode(info)
+
+    def connect(self, peer_metadata: bytes) -> LocalSession:
+        """Open a session to the process that produced ``peer_metadata``.
+
+        Raises ``TransferError`` for a malformed blob, a peer on another host or in another
+        pid namespace, or a peer we may not read; ``PeerGoneError`` when it is not running.
+        """
+        self._check_open()
+        info = _metadata.decode(peer_metadata)
+        if info.boot_id != self._boot_id:
+            raise TransferError(
+                f"the local engine is same-host only: the peer runs on {info.hostname!r} "
+                f"(boot id {info.boot_id}), this process on {self._hostname!r} (boot id {self._boot_id}); "
+                "choose a cross-host transfer engine (e.g. memfabric) for Prefill and Decode on different machines"
+            )
+        if info.pid_namespace is not None and self._pidns is not None and info.pid_namespace != self._pidns:
+            raise TransferError(
+                f"the peer (pid {info.pid} on {info.hostname!r}) is in another pid namespace: the local engine "
+                "needs both processes in one (e.g. containers sharing the host pid namespace)"
+            )
+        try:
+            handle = _sys.ProcessHandle(info.pid, info.start_time)
+        except ProcessLookupError:
+            raise PeerGoneError(f"peer process {info.pid} on {info.hostname!r} is not running") from None
+        session = LocalSession(info, handle)
+        try:
+            self._probe(session)
+        except BaseException:
+            session.close()
+            raise
+        with self._lock:
+            if self._closed:
+                session.close()
+                raise TransferError("the local engine is closed")
+            self._sessions.append(session)
+        return session
+
+    def _probe(self, session: LocalSession) -> None:
+        """Read one byte now, so a permission problem shows at connect, not at the first layer."""
+        if not session.peer_regions:
+            return
+        scratch = np.zeros(1, dtype=np.uint8)
+        pair = _iov.build(
+            np.array([scratch.ctypes.data], dtype=np.int64),
+            np.array([session.peer_regions[0].addr], dtype=np.int64),
+            np.array([1], dtype=np.int64),
+        )
+        _iov.copy(session.pid, pair, time.monotonic() + self.timeout)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def read_batch(
+        self, session: Session, local_addrs: Int64Array, remote_addrs: Int64Array, lengths: Int64Array
+    ) -> None:
+        """Copy every ``[remote_addrs[i], +lengths[i])`` of the peer to ``local_addrs[i]``.
+
+        Raises ``RegionError`` (nothing copied) for a range outside the peer's or this
+        engine's registered regions; ``PeerGoneError`` when the peer died (also when it
+        died during the read); ``TransferTimeout`` past ``timeout``; ``TransferError``
+        otherwise, including bad arrays and a closed engine or session.
+        """
+        self._check_open()
+        if not isinstance(session, LocalSession):
+            raise TransferError(f"not a local-engine session: {type(session).__name__}")
+        if session.closed:
+            raise PeerGoneError(f"the session to {session.peer_id} is closed")
+        n = _check_arrays(local_addrs, remote_addrs, lengths)
+        if n == 0:
+            return
+        _check_inside(session.bounds, remote_addrs, lengths, f"the regions peer {session.peer_id} registered")
+        _check_inside(self._bounds, local_addrs, lengths, "this engine's registered destinations")
+        pair = _iov.build(local_addrs, remote_addrs, lengths)
+        deadline = time.monotonic() + self.timeout
+        if self.threads > 1 and int(lengths.sum()) > self.parallel_threshold_bytes:
+            self._copy_parallel(session.pid, pair, deadline)
+        else:
+            _iov.copy(session.pid, pair, deadline)
+        if session.peer_exited():
+            raise PeerGoneError(f"peer process {session.pid} exited during the read; its data is not used")
+
+    def _copy_parallel(self, pid: int, pair: _iov.IovPair, deadline: float) -> None:
+        shares = _iov.split(pair, self.threads)
+        stop = [False]
+        pool = self._get_pool()
+        try:
+            futures: list[Future[None]] = [pool.submit(_iov.copy, pid, s, deadline, stop) for s in shares[1:]]
+        except RuntimeError:  # the pool was shut down by a concurrent close()
+            raise TransferError("the local engine is closed") from None
+        first: BaseException | None = None
+        try:
+            _iov.copy(pid, shares[0], deadline, stop)
+        except BaseException as exc:
+            first = exc
+            stop[0] = True
+        # Wait for every share even after a failure: the caller may reuse the destinations
+        # as soon as we return, so no thread of ours may still be writing into them.
+        done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        if pending:
+            stop[0] = True
+            raise TransferTimeout(f"read from process {pid} did not finish within {self.timeout} s")
+        if first is not None:
+            raise first
+        for f in futures:
+            exc = f.exception()
+            if exc is not None:
+                raise exc
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise TransferError("the local engine is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="rd2h-local")
+            return self._pool
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("the local engine is closed")
+
+    def close(self) -> None:
+        """Close every session and join the copy threads. Idempotent."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+            sessions, self._sessions = self._sessions, []
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for s in sessions:
+            s.close()
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+
+def _check_arrays(local_addrs: Int64Array, remote_addrs: Int64Array, lengths: Int64Array) -> int:
+    for name, a in (("local_addrs", local_addrs), ("remote_addrs", remote_addrs), ("lengths", lengths)):
+        if not (isinstance(a, np.ndarray) and a.dtype == np.int64 and a.ndim == 1):
+            what = f"{a.dtype} array of {a.ndim} dims" if isinstance(a, np.ndarray) else type(a).__name__
+            raise TransferError(f"{name} must be a 1-d numpy int64 array, got {what}")
+    n = len(lengths)
+    if len(local_addrs) != n or len(remote_addrs) != n:
+        raise TransferError(
+            f"arrays differ in length: local_addrs {len(local_addrs)}, remote_addrs {len(remote_addrs)}, lengths {n}"
+        )
+    if n and int(lengths.min()) <= 0:
+        raise TransferError(f"every length must be > 0 (found {int(lengths.min())})")
+    return n
+
+
+def _check_inside(bounds: RegionBounds, addrs: Int64Array, lengths: Int64Array, where: str) -> None:
+    bad = bounds.outside(addrs, lengths)
+    if len(bad):
+        i = int(bad[0])
+        raise RegionError(
+            f"{len(bad)} of {len(addrs)} ranges lie outside {where}; "
+            f"first: [{int(addrs[i]):#x}, +{int(lengths[i])}) (nothing was copied)"
+        )
