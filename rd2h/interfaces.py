@@ -196,6 +196,13 @@ class Dialer(abc.ABC):
     def recv(self, timeout: float) -> tuple[str, bytes] | None:
         """Next ``(address, payload)`` from any connected endpoint; ``None`` after ``timeout``."""
 
+    def wakeup(self) -> None:
+        """Make a ``recv`` blocked in another thread return ``None`` soon. Thread-safe.
+
+        The Prefill sender blocks in ``recv`` and is woken when a layer is queued. The
+        default does nothing, so ``recv`` returns at its timeout: correct, but slower.
+        """
+
     @abc.abstractmethod
     def disconnect(self, address: str) -> None:
         """Drop the connection to ``address`` and anything queued for it."""

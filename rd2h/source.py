@@ -1,0 +1,429 @@
+"""Prefill runtime: layer events -> readiness -> replies -> storage-slot gates.
+
+One :class:`Source` serves one Prefill TP rank. The compute path drives it:
+
+    source.schedule({"req-1": computed_tokens})      # a prefill step: which blocks are new
+    for layer in layers:
+        source.wait_for_layer_send(layer)             # before overwriting the layer's slots
+        ...write the layer's KV...
+        source.layer_ready(layer, event)              # queue the announcement
+
+A background sender (owned by the source) waits for each layer's event, sends
+``mf_meta`` once per connection and one ``read_ready_batch`` per Decode endpoint, and
+feeds every reply to the slot gate. A Decode endpoint that does not reply within
+``reply_timeout`` is abandoned: its slots are released with an error, so the compute path
+raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from rd2h import protocol
+from rd2h.chunking import ChunkPlanner
+from rd2h.errors import ConfigError, ProtocolError, RD2HError, UnknownRequestError
+from rd2h.interfaces import Dialer, Region, TransferEngine
+from rd2h.layout import LayerLayout
+from rd2h.regions import RegionSet
+from rd2h.topology import Topology, remote_port
+from rd2h.tracking import SlotGate
+
+__all__ = ["DecodeEndpoint", "Source", "SendResult"]
+
+log = logging.getLogger("rd2h.source")
+
+
+class _Event(Protocol):
+    def synchronize(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeEndpoint:
+    """A Decode instance as its rendezvous advertises it: host, base port and TP size."""
+
+    host: str
+    base_port: int
+    tp_size: int
+
+    def address(self, decode_rank: int) -> str:
+        """The control address of one Decode TP rank (the port is range-checked)."""
+        return f"tcp://{self.host}:{remote_port(self.base_port, decode_rank, self.tp_size)}"
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """How a request's transfer ended, from Prefill's side."""
+
+    ext_id: str
+    error: str | None  # None when every Decode endpoint read every layer
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(slots=True)
+class _Request:
+    endpoint: DecodeEndpoint
+    main_ids: np.ndarray
+    indexer_ids: np.ndarray
+    addresses: tuple[str, ...]  # the Decode ranks this Prefill rank announces to
+    member: int
+    ratio: int
+
+
+@dataclass(slots=True)
+class _Announcement:
+    """What one endpoint is told for every layer of one step."""
+
+    member: int
+    ratio: int
+    reads: list[protocol.ReadRequest] = field(default_factory=list)
+    done: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    by_address: dict[str, _Announcement]
+    final_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Task:
+    layer_idx: int
+    layer_name: str
+    event: _Event | None
+    step: _Step
+
+
+_STOP = object()
+
+
+class Source:
+    """The Prefill runtime of one TP rank.
+
+    ``layers`` maps every logical layer name, in layer order, to its source layout;
+    logical layers that reuse a physical buffer share its base addresses, and the slot
+    gate keys on those. The engine, dialer and sender thread belong to the source.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        tp_size: int,
+        engine: TransferEngine,
+        dialer: Dialer,
+        layers: Mapping[str, LayerLayout],
+        block_size: int,
+        last_layer: str | None = None,
+        reply_timeout: float = 30.0,
+        poll_seconds: float = 0.05,
+    ) -> None:
+        if not layers:
+            raise ConfigError("a Source needs at least one layer")
+        if not 0 <= rank < tp_size:
+            raise ConfigError(f"rank {rank} outside 0..{tp_size - 1}")
+        self.rank, self.tp_size = rank, tp_size
+        self._engine, self._dialer = engine, dialer
+        self._layers = dict(layers)
+        self._index = {name: i for i, name in enumerate(self._layers)}
+        last = last_layer if last_layer is not None else next(reversed(self._layers))
+        if last not in self._index:
+            raise ConfigError(f"last_layer {last!r} is not one of the layers")
+        self._last_idx = self._index[last]
+        self._planner = ChunkPlanner(block_size)
+        self._reply_timeout = reply_timeout
+        self._poll = poll_seconds
+        regions = RegionSet(r for layout in self._layers.values() for r in layout.regions())
+        engine_meta = engine.register([Region(a, n) for a, n in regions])
+        self._meta_frame = protocol.encode(
+            protocol.MfMeta.from_layers(engine.session_id, self._layers, engine_metadata=engine_meta)
+        )
+        self._gate = SlotGate()
+        self._requests: dict[str, _Request] = {}
+        self._step = _Step({}, ())
+        self._queue: queue.SimpleQueue[_Task | object] = queue.SimpleQueue()
+        self._revive: queue.SimpleQueue[tuple[str, ...]] = queue.SimpleQueue()  # new requests
+        # sender-thread state
+        self._meta_sent: set[str] = set()
+        self._dead: dict[str, str] = {}  # address -> why; skipped until a new request names it
+        self._awaiting: dict[str, deque[tuple[int, float]]] = {}
+        self._final_layers: dict[int, tuple[str, ...]] = {}
+        # shared with the user thread
+        self._lock = threading.Condition()
+        self._errors: dict[str, str] = {}
+        self._results: dict[str, SendResult] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stray_replies = 0
+
+    # -- compute path --------------------------------------------------------------------
+
+    def start(self) -> Source:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"rd2h-source-{self.rank}", daemon=True)
+            self._thread.start()
+        return self
+
+    def add_request(
+        self,
+        ext_id: str,
+        decode: DecodeEndpoint,
+        *,
+        main_block_ids: Sequence[int],
+        indexer_block_ids: Sequence[int] | None = None,
+        num_tokens: int,
+    ) -> None:
+        """Track a request to be pulled by ``decode``; its source blocks in prompt order."""
+        topology = Topology(self.tp_size, decode.tp_size)
+        main_ids = np.asarray(main_block_ids, dtype=np.int64).reshape(-1)
+        index_ids = main_ids if indexer_block_ids is None else np.asarray(indexer_block_ids, dtype=np.int64)
+        self._planner.track(ext_id, num_tokens)
+        needed = self._planner.num_blocks(ext_id)
+        if len(main_ids) < needed or len(index_ids) < needed:
+            self._planner.forget(ext_id)
+            raise ConfigError(
+                f"request {ext_id!r}: {num_tokens} tokens need {needed} blocks, got "
+                f"{len(main_ids)} main and {len(index_ids)} indexer block ids"
+            )
+        addresses = tuple(decode.address(d) for d in topology.decode_ranks_of(self.rank))
+        self._revive.put(addresses)
+        self._requests[ext_id] = _Request(
+            decode, main_ids, index_ids, addresses, topology.member_of(self.rank), topology.ratio
+        )
+
+    def schedule(self, computed_tokens: Mapping[str, int]) -> None:
+        """Start a prefill step: after it, each request has this many prompt tokens cached.
+
+        Every following ``layer_ready`` announces, per request, the blocks that became
+        complete in this step (the final chunk includes its partial last block).
+        """
+        by_address: dict[str, _Announcement] = {}
+        final_ids: list[str] = []
+        for ext_id, tokens in computed_tokens.items():
+            request = self._request(ext_id)
+            chunk = self._planner.advance(ext_id, tokens)
+            read = protocol.ReadRequest(
+                ext_id,
+                tuple(request.main_ids[chunk.lo : chunk.hi].tolist()),
+                tuple(request.indexer_ids[chunk.lo : chunk.hi].tolist()),
+                chunk.lo,
+                chunk.lo,
+            )
+            for address in request.addresses:
+                ann = by_address.setdefault(address, _Announcement(request.member, request.ratio))
+                ann.reads.append(read)
+                if chunk.final:
+                    ann.done.append(ext_id)
+            if chunk.final:
+                final_ids.append(ext_id)
+        self._step = _Step(by_address, tuple(final_ids))
+
+    def wait_for_layer_send(self, layer_name: str, timeout: float | None = None) -> None:
+        """Block until the layer's physical slots may be overwritten.
+
+        Raises LayerFailedError if the previous owner of a slot failed layer-wide (a
+        dead or refusing Decode), GateTimeout if the slots are still busy after
+        ``timeout`` (default: the reply timeout plus a margin).
+        """
+        bound = self._reply_timeout + 5.0 if timeout is None else timeout
+        self._gate.wait(self._slots(layer_name), bound)
+
+    def layer_ready(self, layer_name: str, event: _Event | None = None) -> None:
+        """The layer's KV is written (or will be once ``event`` completes): announce it."""
+        layer_idx = self._index_of(layer_name)
+        self._gate.claim(layer_idx, self._slots(layer_name))
+        self._queue.put(_Task(layer_idx, layer_name, event, self._step))
+        self._dialer.wakeup()
+
+    def take_finished(self) -> dict[str, SendResult]:
+        """Requests whose final chunk was answered for every layer, since the last call."""
+        with self._lock:
+            taken, self._results = self._results, {}
+        for ext_id in taken:
+            self._requests.pop(ext_id, None)
+            self._planner.forget(ext_id)
+        return taken
+
+    def wait_finished(self, ext_ids: Sequence[str], timeout: float) -> dict[str, SendResult]:
+        """Block until every request in ``ext_ids`` finished sending; raise TimeoutError."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not all(e in self._results for e in ext_ids):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [e for e in ext_ids if e not in self._results]
+                    raise TimeoutError(f"Prefill rank {self.rank}: {missing[:5]} not finished after {timeout:.1f}s")
+                self._lock.wait(remaining)
+            found = {e: self._results.pop(e) for e in ext_ids}
+        for ext_id in found:
+            self._requests.pop(ext_id, None)
+            self._planner.forget(ext_id)
+        return found
+
+    def close(self) -> None:
+        """Stop the sender (after the queued layers are sent), close dialer and engine."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._dialer.wakeup()
+            self._thread.join()
+            self._thread = None
+        self._dialer.close()
+        self._engine.close()
+
+    def __enter__(self) -> Source:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, ext_id: str) -> _Request:
+        try:
+            return self._requests[ext_id]
+        except KeyError:
+            raise UnknownRequestError(f"request {ext_id!r} was not added to this Source") from None
+
+    def _index_of(self, layer_name: str) -> int:
+        try:
+            return self._index[layer_name]
+        except KeyError:
+            raise ConfigError(f"unknown layer {layer_name!r}") from None
+
+    def _slots(self, layer_name: str) -> list[tuple[str, int]]:
+        self._index_of(layer_name)  # raises ConfigError for an unknown layer
+        layout = self._layers[layer_name]
+        slots = [("main", layout.main_slot)]
+        if layout.indexer_slot is not None:
+            slots.append(("indexer", layout.indexer_slot))
+        return slots
+
+    # -- sender thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                task = None
+            if task is _STOP:
+                self._drain_replies()
+                return
+            if task is not None:
+                try:
+                    self._send(task)  # type: ignore[arg-type]
+                except Exception as exc:  # the compute path must hear of it, not hang
+                    log.exception("Prefill rank %d: could not announce a layer", self.rank)
+                    self._gate.fail_layer(task.layer_idx, f"announce failed: {exc}")  # type: ignore[union-attr]
+                continue
+            item = self._dialer.recv(self._poll)
+            if item is not None:
+                self._on_reply(*item)
+            self._abandon_silent()
+
+    def _send(self, task: _Task) -> None:
+        if task.event is not None:
+            task.event.synchronize()
+        step = task.step
+        last = task.layer_idx == self._last_idx
+        if last and step.final_ids:
+            self._final_layers[task.layer_idx] = step.final_ids
+        while not self._revive.empty():
+            for address in self._revive.get():
+                self._dead.pop(address, None)
+        live = {a: ann for a, ann in step.by_address.items() if a not in self._dead}
+        with self._lock:
+            for address in step.by_address.keys() - live.keys():
+                for read in step.by_address[address].reads:
+                    self._errors.setdefault(read.ext_req_id, self._dead[address])
+        if self._gate.sent(task.layer_idx, live):
+            self._layer_released(task.layer_idx)
+        now = time.monotonic()
+        for address, ann in live.items():
+            if address not in self._meta_sent:
+                self._dialer.send(address, self._meta_frame)  # pipelined: ZMQ keeps the order
+                self._meta_sent.add(address)
+            batch = protocol.ReadReadyBatch(
+                task.layer_idx,
+                task.layer_name,
+                tuple(ann.reads),
+                tuple(ann.done) if last else (),
+                ann.member,
+                ann.ratio,
+            )
+            self._awaiting.setdefault(address, deque()).append((task.layer_idx, now))
+            self._dialer.send(address, protocol.encode(batch))
+
+    def _on_reply(self, address: str, frame: bytes) -> None:
+        try:
+            reply = protocol.decode_reply(frame)
+        except ProtocolError as exc:
+            log.warning("Prefill rank %d: malformed reply from %s: %s", self.rank, address, exc)
+            return
+        if isinstance(reply, protocol.Ack):
+            return
+        pending = self._awaiting.get(address)
+        if pending:
+            try:
+                pending.remove(next(p for p in pending if p[0] == reply.layer_idx))
+            except StopIteration:
+                self.stray_replies += 1
+        error: str | None = None
+        if isinstance(reply, protocol.ReadFailed):
+            error = self._on_failed(address, reply)
+        if self._gate.replied(reply.layer_idx, address, error):
+            self._layer_released(reply.layer_idx)
+
+    def _on_failed(self, address: str, reply: protocol.ReadFailed) -> str | None:
+        """Record per-request failures; return an error only for a layer-wide failure."""
+        if reply.needs_meta:
+            self._meta_sent.discard(address)  # a restarted Decode: introduce ourselves again
+        with self._lock:
+            for ext_id in reply.failed_ext_ids:
+                self._errors.setdefault(ext_id, f"{address}: {reply.error}")
+        if reply.failed_ext_ids:
+            return None  # isolated: the neighbours were read, the compute path goes on
+        return f"{address}: {reply.error}"
+
+    def _layer_released(self, layer_idx: int) -> None:
+        final_ids = self._final_layers.pop(layer_idx, ())
+        if not final_ids:
+            return
+        with self._lock:
+            for ext_id in final_ids:
+                self._results[ext_id] = SendResult(ext_id, self._errors.pop(ext_id, None))
+            self._lock.notify_all()
+
+    def _abandon_silent(self) -> None:
+        now = time.monotonic()
+        for address, pending in list(self._awaiting.items()):
+            if pending and now - pending[0][1] > self._reply_timeout:
+                error = f"Decode {address} did not reply within {self._reply_timeout:.1f}s"
+                log.error("Prefill rank %d: %s; abandoning it", self.rank, error)
+                with self._lock:
+                    for layer_idx, _ in pending:
+                        for ext_id in self._final_layers.get(layer_idx, ()):
+                            self._errors.setdefault(ext_id, error)
+                pending.clear()
+                self._dead[address] = error
+                self._meta_sent.discard(address)
+                self._dialer.disconnect(address)
+                for layer_idx in self._gate.abandon(address, error):
+                    self._layer_released(layer_idx)
+
+    def _drain_replies(self) -> None:
+        """On close: wait (bounded) for the replies still owed, so Decode finishes its reads."""
+        deadline = time.monotonic() + self._reply_timeout
+        while any(self._awaiting.values()) and time.monotonic() < deadline:
+            item = self._dialer.recv(self._poll)
+            if item is not None:
+                self._on_reply(*item)
