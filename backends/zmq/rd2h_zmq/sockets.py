@@ -1,0 +1,334 @@
+"""The ROUTER listener and the DEALER dialer, and the context they share.
+
+Framing (as the reference implementation does it, so either side can talk to its peers):
+a sender puts one payload frame on the wire; a listener replies ``(identity, b"", payload)``;
+receivers skip empty delimiter frames. A message with more than one non-empty frame is
+not ours and is dropped with a warning.
+
+Threads: zmq sockets are not thread-safe. A listener or dialer belongs to the one thread
+that runs its loop; ``close()`` it from that thread, or from another once that loop has
+stopped. The shared context itself is thread-safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+from rd2h.errors import ChannelError, FrameTooLargeError, PortInUseError
+from rd2h.interfaces import Dialer, Listener
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from rd2h_zmq.channel import Settings
+
+__all__ = ["SharedContext", "ZmqListener", "ZmqDialer"]
+
+log = logging.getLogger("rd2h_zmq")
+
+# libzmq compares ZMQ_MAXMSGSIZE with the frame on the wire, which under CURVE carries a
+# box header and MAC; leave room for it so a payload of exactly max_frame_bytes passes.
+_WIRE_OVERHEAD = 256
+_UNBIND_WAIT = 1.0  # seconds close() waits for libzmq to release a listening port
+
+
+class SharedContext:
+    """One ``zmq.Context`` (one I/O thread) for every socket of a channel, made on first
+    use and terminated when the last user releases it; with CURVE, the ZAP authenticator
+    thread lives and dies with it."""
+
+    def __init__(self, authorized_dir: Path | None) -> None:
+        self._authorized_dir = authorized_dir
+        self._lock = threading.Lock()
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._authenticator: ThreadAuthenticator | None = None
+        self._users = 0
+
+    def acquire(self, *, authenticate: bool) -> zmq.Context[zmq.Socket[bytes]]:
+        with self._lock:
+            if self._context is None:
+                self._context = zmq.Context(io_threads=1)
+            self._users += 1
+            context = self._context
+            if authenticate and self._authenticator is None:
+                try:
+                    authenticator = ThreadAuthenticator(context, log=log.getChild("zap"))
+                    authenticator.start()
+                    authenticator.configure_curve(domain="*", location=str(self._authorized_dir))
+                except Exception:
+                    self._users -= 1
+                    self._maybe_term()
+                    raise
+                self._authenticator = authenticator
+            return context
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            self._maybe_term()
+
+    @property
+    def active(self) -> bool:
+        return self._context is not None
+
+    def _maybe_term(self) -> None:
+        if self._users > 0 or self._context is None:
+            return
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+        # Every socket is closed with LINGER 0 before release, so term() returns at once.
+        self._context.term()
+        self._context = None
+
+
+def _check_frame(payload: bytes, limit: int) -> int:
+    size = memoryview(payload).nbytes
+    if size > limit:
+        raise FrameTooLargeError(f"frame of {size} bytes is above max_frame_bytes={limit}")
+    if size == 0:
+        # Receivers skip empty frames (they are delimiters), so an empty payload would vanish.
+        raise ValueError("payload must not be empty")
+    return size
+
+
+def _payload(frames: Sequence[bytes], source: object) -> bytes | None:
+    """The one non-empty frame of a message, or None (delimiters only, or not our framing)."""
+    parts = [frame for frame in frames if frame]
+    if len(parts) == 1:
+        return parts[0]
+    if parts:
+        log.warning("dropped a %d-part message from %r: expected one payload frame", len(parts), source)
+    return None
+
+
+def _common_options(sock: zmq.Socket[bytes], settings: Settings) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, settings.high_water_mark)
+    sock.setsockopt(zmq.RCVHWM, settings.high_water_mark)
+    sock.setsockopt(zmq.SNDTIMEO, settings.send_timeout_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, settings.max_frame_bytes + _WIRE_OVERHEAD)
+
+
+def _deadline_ms(deadline: float) -> int:
+    return max(0, round((deadline - time.monotonic()) * 1000))
+
+
+class ZmqListener(Listener):
+    """A ROUTER bound at construction. ``recv`` yields ``(identity, payload)``; ``send``
+    replies ``(identity, b"", payload)`` and raises ``ChannelError`` if the peer is gone."""
+
+    def __init__(self, settings: Settings, shared: SharedContext, address: str) -> None:
+        self._settings = settings
+        self._shared = shared
+        self._closed = False
+        curve = settings.curve
+        context = shared.acquire(authenticate=curve is not None)
+        sock = context.socket(zmq.ROUTER)
+        try:
+            _common_options(sock, settings)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: EHOSTUNREACH, not silence
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting dialer takes its identity back
+            if curve is not None:
+                sock.curve_secretkey = curve.secret
+                sock.curve_publickey = curve.public
+                sock.curve_server = True
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            shared.release()
+            if exc.errno == zmq.EADDRINUSE:
+                raise PortInUseError(errno.EADDRINUSE, f"cannot listen on {address}: address already in use") from exc
+            raise ChannelError(f"cannot listen on {address}: {exc.strerror}") from exc
+        except BaseException:
+            sock.close(linger=0)
+            shared.release()
+            raise
+        self._sock = sock
+        self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
+        self._check_open()
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            if self._poller.poll(_deadline_ms(deadline)):
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                payload = _payload(frames[1:], frames[0])
+                if payload is not None:
+                    return frames[0], payload
+            if time.monotonic() >= deadline:
+                return None
+
+    def send(self, peer: bytes, payload: bytes) -> None:
+        self._check_open()
+        _check_frame(payload, self._settings.max_frame_bytes)
+        try:
+            self._sock.send_multipart([peer, b"", payload], copy=False)
+        except zmq.Again as exc:
+            raise ChannelError(
+                f"peer {peer!r} on {self._address} has {self._settings.high_water_mark} frames queued "
+                f"and took none in {self._settings.send_timeout_ms} ms"
+            ) from exc
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise ChannelError(f"peer {peer!r} is not connected to {self._address}") from exc
+            raise ChannelError(f"send to {peer!r} on {self._address} failed: {exc.strerror}") from exc
+
+    def close(self) -> None:
+        """Unbind and close. The port is free for a new ``listen`` when this returns."""
+        if self._closed:
+            return
+        self._closed = True
+        self._poller.unregister(self._sock)
+        self._unbind()
+        self._sock.close(linger=0)
+        self._shared.release()
+
+    def _unbind(self) -> None:
+        # libzmq closes a listening socket later, on its I/O thread; while other sockets keep
+        # the context alive, a re-listen on this address right after close() would race it.
+        # Unbind and wait (bounded) for the monitor to report the listening fd closed.
+        if self._address.startswith("inproc://"):
+            return  # inproc endpoints are released synchronously
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_CLOSED)
+        try:
+            self._sock.unbind(self._address)
+            deadline = time.monotonic() + _UNBIND_WAIT
+            while monitor.poll(_deadline_ms(deadline)):
+                event = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_CLOSED and event["endpoint"] == self._address.encode():
+                    return
+            log.warning("listening socket %s not reported closed within %.1f s", self._address, _UNBIND_WAIT)
+        except zmq.ZMQError as exc:
+            log.debug("unbind %s: %s", self._address, exc)
+        finally:
+            self._sock.disable_monitor()
+            monitor.close(linger=0)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelError(f"listener on {self._address} is closed")
+
+
+class ZmqDialer(Dialer):
+    """One DEALER per Decode address, connected on first send. Its routing id is fixed for
+    the dialer's life, so a reconnect after ``disconnect`` is the same peer to the listener."""
+
+    def __init__(self, settings: Settings, shared: SharedContext) -> None:
+        self._settings = settings
+        self._shared = shared
+        self._context = shared.acquire(authenticate=False)
+        self._closed = False
+        self._routing_id = b"rd2h-" + secrets.token_hex(8).encode()
+        self._sockets: dict[str, zmq.Socket[bytes]] = {}
+        self._addresses: dict[zmq.Socket[bytes], str] = {}
+        self._poller = zmq.Poller()
+        self._next = 0  # where recv starts looking, so one busy endpoint cannot starve others
+
+    @property
+    def routing_id(self) -> bytes:
+        return self._routing_id
+
+    def send(self, address: str, payload: bytes) -> None:
+        """Queue one frame for ``address``. Raises ``FrameTooLargeError``, ``ChannelError`` for
+        a malformed address or when the queue stays full for ``send_timeout``."""
+        self._check_open()
+        _check_frame(payload, self._settings.max_frame_bytes)
+        sock = self._sockets.get(address) or self._connect(address)
+        try:
+            sock.send(payload, copy=False)
+        except zmq.Again as exc:
+            raise ChannelError(
+                f"cannot send to {address}: {self._settings.high_water_mark} frames are queued and the "
+                f"endpoint took none in {self._settings.send_timeout_ms} ms (is it running?)"
+            ) from exc
+        except zmq.ZMQError as exc:
+            raise ChannelError(f"send to {address} failed: {exc.strerror}") from exc
+
+    def recv(self, timeout: float) -> tuple[str, bytes] | None:
+        self._check_open()
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            if not self._sockets:
+                time.sleep(max(0.0, deadline - time.monotonic()))
+                return None
+            ready = dict(self._poller.poll(_deadline_ms(deadline)))
+            order = list(self._sockets.values())
+            for step in range(len(order)):
+                index = (self._next + step) % len(order)
+                sock = order[index]
+                if not ready.get(sock, 0) & zmq.POLLIN:
+                    continue
+                self._next = index + 1
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                address = self._addresses[sock]
+                payload = _payload(frames, address)
+                if payload is not None:
+                    return address, payload
+            if time.monotonic() >= deadline:
+                return None
+
+    def disconnect(self, address: str) -> None:
+        """Close the connection to ``address``, dropping what is queued. Unknown: no-op."""
+        sock = self._sockets.pop(address, None)
+        if sock is None:
+            return
+        del self._addresses[sock]
+        self._poller.unregister(sock)
+        sock.close(linger=0)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for address in list(self._sockets):
+            self.disconnect(address)
+        self._shared.release()
+
+    def _connect(self, address: str) -> zmq.Socket[bytes]:
+        sock = self._context.socket(zmq.DEALER)
+        try:
+            _common_options(sock, self._settings)
+            sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
+            curve = self._settings.curve
+            if curve is not None:
+                sock.curve_secretkey = curve.secret
+                sock.curve_publickey = curve.public
+                sock.curve_serverkey = curve.server_public
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ChannelError(f"cannot connect to {address}: {exc.strerror}") from exc
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._sockets[address] = sock
+        self._addresses[sock] = address
+        self._poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelError("dialer is closed")
