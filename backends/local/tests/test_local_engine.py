@@ -1,0 +1,477 @@
+"""What is particular to the local engine: options, metadata, errno mapping, chunking,
+partial transfers, thread split, liveness. The shared contract is in test_conformance.py."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rd2h.errors import ConfigError, PeerGoneError, RegionError, TransferError, TransferTimeout
+from rd2h.interfaces import Capability, Region
+from rd2h.testing.peer import PeerProcess
+from rd2h_local import LocalEngine, _iov, _metadata, _sys
+from rd2h_local._regions import RegionBounds, merge
+
+PAGE = mmap.PAGESIZE
+I64 = np.int64
+
+
+class Buffers:
+    """A source and a destination in this process; the engine reads from itself."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.src = np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8).copy()
+        self.dst = np.zeros(size, dtype=np.uint8)
+        self.src_addr, self.dst_addr = self.src.ctypes.data, self.dst.ctypes.data
+
+
+@pytest.fixture
+def pair():
+    """(engine, session, buffers): a decode engine connected to its own process."""
+    buf = Buffers(4 << 20)
+    engine = LocalEngine("decode", threads=1)
+    meta = engine.register([Region(buf.src_addr, buf.src.nbytes), Region(buf.dst_addr, buf.dst.nbytes)])
+    session = engine.connect(meta)
+    yield engine, session, buf
+    engine.close()
+
+
+def arrays(buf: Buffers, descs):
+    d = np.array(descs, dtype=I64).reshape(-1, 3)
+    return buf.dst_addr + d[:, 0], buf.src_addr + d[:, 1], d[:, 2].copy()
+
+
+def expect(buf: Buffers, descs) -> np.ndarray:
+    img = np.zeros_like(buf.dst)
+    for dst, src, n in descs:
+        img[dst : dst + n] = buf.src[src : src + n]
+    return img
+
+
+def blocks(n: int, bl: int, seed: int = 0):
+    ids = np.random.default_rng(seed).permutation(n)
+    return [(i * bl, int(b) * bl, bl) for i, b in enumerate(ids)]
+
+
+class Recorder:
+    """Wraps the real syscall: records (iovec count, bytes returned) per call, and can
+    cap the bytes one call moves, the way the kernel stops early (mid-iovec included)."""
+
+    def __init__(self, real, budget: int | None = None) -> None:
+        self.real, self.budget, self.calls = real, budget, []
+
+    def __call__(self, pid, liov, lcnt, riov, rcnt, flags):
+        if self.budget is None:
+            got = self.real(pid, liov, lcnt, riov, rcnt, flags)
+        else:
+            lv = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * lcnt)).from_address(liov)).reshape(-1, 2).copy()
+            rv = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * rcnt)).from_address(riov)).reshape(-1, 2).copy()
+            ends = np.cumsum(lv[:, 1])
+            keep = min(len(ends), int(np.searchsorted(ends, self.budget, side="left")) + 1)
+            lv, rv = lv[:keep].copy(), rv[:keep].copy()
+            excess = max(0, int(ends[keep - 1]) - self.budget)
+            lv[-1, 1] -= np.uint64(excess)
+            rv[-1, 1] -= np.uint64(excess)
+            got = self.real(pid, lv.ctypes.data, keep, rv.ctypes.data, keep, flags)
+        self.calls.append((lcnt, got))
+        return got
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    _sys._load()
+    rec = Recorder(_sys.process_vm_readv)
+    monkeypatch.setattr(_sys, "process_vm_readv", rec)
+    return rec
+
+
+def failing(err: int):
+    def fake(*args):
+        ctypes.set_errno(err)
+        return -1
+
+    return fake
+
+
+# -- construction ---------------------------------------------------------------------------
+
+
+def test_capabilities_and_availability():
+    assert LocalEngine.capabilities & Capability.READ_FROM_HOST
+    assert LocalEngine.capabilities & Capability.WRITE_TO_HOST
+    assert not LocalEngine.capabilities & (Capability.READ_FROM_DEVICE | Capability.CROSS_HOST)
+    assert LocalEngine.availability().ok
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"role": "prefill", "bogus": 1},
+        {"role": "sideways"},
+        {"role": "decode", "threads": 0},
+        {"role": "decode", "threads": 1.5},
+        {"role": "decode", "parallel_threshold_bytes": -1},
+        {"role": "decode", "timeout": 0},
+        {"role": "decode", "timeout": "1"},
+    ],
+)
+def test_bad_options_are_config_errors(kwargs):
+    with pytest.raises(ConfigError):
+        LocalEngine(**kwargs)
+
+
+def test_unknown_option_message_lists_known_ones():
+    with pytest.raises(ConfigError, match="bogus.*known: threads"):
+        LocalEngine("decode", bogus=1)
+
+
+def test_loaded_by_name_through_plugins():
+    from rd2h.plugins import load_engine
+
+    with load_engine("local", "decode", threads=3) as engine:
+        assert isinstance(engine, LocalEngine) and engine.threads == 3
+
+
+# -- registration and metadata --------------------------------------------------------------
+
+
+def test_register_merges_and_metadata_covers_everything_so_far():
+    with LocalEngine("decode") as engine:
+        engine.register([Region(0x10000, 0x1000)])
+        meta = engine.register([Region(0x11000, 0x1000), Region(0x20000, 0x100)])
+        info = _metadata.decode(meta)
+        assert info.regions == (Region(0x10000, 0x2000), Region(0x20000, 0x100))
+        assert info.pid == os.getpid() and info.boot_id == _sys.boot_id()
+        assert engine.session_id == f"local:{_sys.hostname()}:{os.getpid()}"
+
+
+def test_device_memory_is_refused():
+    with LocalEngine("decode") as engine, pytest.raises(TransferError, match="host memory only"):
+        engine.register([Region(0x10000, 4096, device="npu:0")])
+
+
+def test_prefill_opens_ptrace_once_decode_never(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_sys, "allow_any_ptracer", lambda: calls.append(1) or True)
+    with LocalEngine("decode") as d:
+        d.register([Region(0x10000, 4096)])
+    assert calls == []
+    with LocalEngine("prefill") as p:
+        p.register([Region(0x10000, 4096)])
+        p.register([Region(0x20000, 4096)])
+    assert calls == [1]
+
+
+def test_ptracer_only_under_yama_scope_1(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(_sys, "_read", lambda path: seen.setdefault(path, "0"))
+    assert _sys.allow_any_ptracer() is False
+    assert "/proc/sys/kernel/yama/ptrace_scope" in seen
+
+
+def _info(**changes):
+    base = dict(
+        boot_id=_sys.boot_id(), hostname="h", pid_namespace=_sys.pid_namespace(), pid=os.getpid(),
+        start_time=_sys.start_time(os.getpid()), regions=(Region(4096, 4096),),
+    )  # fmt: skip
+    return _metadata.encode(_metadata.PeerInfo(**{**base, **changes}))
+
+
+def test_other_host_is_refused_with_advice():
+    with LocalEngine("decode") as engine, pytest.raises(TransferError, match="same-host only.*cross-host"):
+        engine.connect(_info(boot_id="00000000-0000-0000-0000-000000000000", hostname="elsewhere"))
+
+
+def test_other_pid_namespace_is_refused():
+    with LocalEngine("decode") as engine, pytest.raises(TransferError, match="pid namespace"):
+        engine.connect(_info(pid_namespace=(_sys.pid_namespace() or 0) + 1))
+
+
+def test_missing_process_is_peer_gone():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    with LocalEngine("decode") as engine, pytest.raises(PeerGoneError, match="not running"):
+        engine.connect(_info(pid=child.pid, start_time=None))
+
+
+def test_reused_pid_is_peer_gone():
+    with LocalEngine("decode") as engine, pytest.raises(PeerGoneError):
+        engine.connect(_info(start_time=_sys.start_time(os.getpid()) + 1))
+
+
+@pytest.mark.parametrize(
+    "blob, field",
+    [
+        (b"", "not msgpack"),
+        (msgpack.packb({"a": 1}), "array"),
+        (msgpack.packb([b"other", 1, "", "", None, 1, None, []]), "not produced by the local engine"),
+        (msgpack.packb([b"rd2h-local", 99, "", "", None, 1, None, []]), "version 99"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, -1, None, []]), "pid"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 0, None, []]), "pid must be positive"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1]]]), "region 0"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1, 0]]]), "region 0"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[2**63 - 2, 2]]]), "region 0"),
+    ],
+)
+def test_malformed_metadata_names_the_field(blob, field):
+    with pytest.raises(TransferError, match=field):
+        _metadata.decode(blob)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_decode_or_raise_transfer_error(blob):
+    try:
+        _metadata.decode(blob)
+    except TransferError:
+        pass
+
+
+@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(1, 1 << 20)), max_size=8),
+       st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(1, 1 << 21)), min_size=1, max_size=30))  # fmt: skip
+def test_region_bounds_match_a_byte_by_byte_model(regions, ranges):
+    bounds = RegionBounds(Region(a, n) for a, n in regions)
+    merged = merge(Region(a, n) for a, n in regions)
+    addrs = np.array([a for a, _ in ranges], dtype=I64)
+    lens = np.array([n for _, n in ranges], dtype=I64)
+    bad = set(bounds.outside(addrs, lens).tolist())
+    for i, (a, n) in enumerate(ranges):
+        inside = any(r.addr <= a and a + n <= r.end for r in merged)
+        assert (i not in bad) == inside
+    for x, y in zip(merged, merged[1:]):
+        assert x.end < y.addr  # merged regions neither overlap nor touch
+
+
+# -- the copy loop ----------------------------------------------------------------------------
+
+
+def test_batches_above_iov_max_are_chunked(pair, recorder):
+    engine, session, buf = pair
+    descs = blocks(2500, 1024)
+    engine.read_batch(session, *arrays(buf, descs))
+    assert [c for c, _ in recorder.calls] == [1024, 1024, 452]
+    assert np.array_equal(buf.dst, expect(buf, descs))
+
+
+@pytest.mark.parametrize("budget", [4096 * 3, 7777, 999, 65536 + 3])
+def test_partial_transfers_resume_mid_iovec(pair, recorder, budget):
+    engine, session, buf = pair
+    recorder.budget = budget
+    descs = blocks(64, 4096, seed=3) + [(64 * 4096 + 5, 1_000_001, 3333)]
+    engine.read_batch(session, *arrays(buf, descs))
+    assert np.array_equal(buf.dst, expect(buf, descs))
+    total = 64 * 4096 + 3333
+    assert sum(got for _, got in recorder.calls) == total
+    assert len(recorder.calls) == -(-total // budget)  # every call moved exactly its budget
+
+
+def test_real_partial_transfer_then_efault_names_the_range(recorder):
+    """The kernel itself stops part-way when a registered page is no longer readable."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    src = mmap.mmap(-1, 3 * PAGE)
+    src.write(b"\x07" * (3 * PAGE))
+    src_addr = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    dst = np.zeros(3 * PAGE, dtype=np.uint8)
+    with LocalEngine("decode", threads=1) as engine:
+        session = engine.connect(engine.register([Region(src_addr, 3 * PAGE), Region(dst.ctypes.data, dst.nbytes)]))
+        assert libc.mprotect(src_addr + 2 * PAGE, PAGE, 0) == 0  # PROT_NONE
+        try:
+            with pytest.raises(TransferError, match=f"remote \\[{src_addr + 2 * PAGE:#x}, \\+{PAGE}\\)"):
+                engine.read_batch(session, np.array([dst.ctypes.data], I64), np.array([src_addr], I64), np.array([3 * PAGE], I64))
+        finally:
+            libc.mprotect(src_addr + 2 * PAGE, PAGE, 3)
+    assert recorder.calls[-2] == (1, 2 * PAGE) and recorder.calls[-1] == (1, -1)
+    assert (dst[: 2 * PAGE] == 7).all()
+    del session
+    src.close()
+
+
+def test_eperm_explains_the_fix(pair, monkeypatch):
+    engine, session, buf = pair
+    monkeypatch.setattr(_sys, "process_vm_readv", failing(errno.EPERM))
+    with pytest.raises(TransferError) as info:
+        engine.read_batch(session, *arrays(buf, [(0, 0, 64)]))
+    for hint in ("EPERM", "PR_SET_PTRACER", "CAP_SYS_PTRACE", "ptrace_scope"):
+        assert hint in str(info.value)
+    assert not isinstance(info.value, PeerGoneError)
+
+
+def test_eperm_shows_at_connect(monkeypatch):
+    buf = Buffers(PAGE)
+    with LocalEngine("decode") as engine:
+        meta = engine.register([Region(buf.src_addr, PAGE)])
+        monkeypatch.setattr(_sys, "process_vm_readv", failing(errno.EPERM))
+        with pytest.raises(TransferError, match="PR_SET_PTRACER"):
+            engine.connect(meta)
+
+
+def test_esrch_is_peer_gone(pair, monkeypatch):
+    engine, session, buf = pair
+    monkeypatch.setattr(_sys, "process_vm_readv", failing(errno.ESRCH))
+    with pytest.raises(PeerGoneError):
+        engine.read_batch(session, *arrays(buf, [(0, 0, 64)]))
+
+
+def test_other_errno_is_named(pair, monkeypatch):
+    engine, session, buf = pair
+    monkeypatch.setattr(_sys, "process_vm_readv", failing(errno.ENOMEM))
+    with pytest.raises(TransferError, match="ENOMEM"):
+        engine.read_batch(session, *arrays(buf, [(0, 0, 64)]))
+
+
+def test_no_progress_is_an_error_not_a_spin(pair, monkeypatch):
+    engine, session, buf = pair
+    monkeypatch.setattr(_sys, "process_vm_readv", lambda *a: 0)
+    with pytest.raises(TransferError, match="returned 0 of 64"):
+        engine.read_batch(session, *arrays(buf, [(0, 0, 64)]))
+
+
+def test_slow_copy_times_out(pair, monkeypatch):
+    engine, session, buf = pair
+    engine.timeout = 0.2
+    rec = Recorder(_sys.process_vm_readv, budget=64)
+    monkeypatch.setattr(_sys, "process_vm_readv", lambda *a: (time.sleep(0.05), rec(*a))[1])
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        engine.read_batch(session, *arrays(buf, [(0, 0, 1 << 20)]))
+    assert time.monotonic() - start < 1.0
+
+
+def test_peer_that_dies_during_the_read_fails_it(monkeypatch):
+    with PeerProcess("local", sizes=[1 << 20], seed=5) as peer, LocalEngine("decode") as engine:
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        engine.register([Region(dst.ctypes.data, dst.nbytes)])
+        session = engine.connect(peer.metadata)
+        args = (np.array([dst.ctypes.data], I64), np.array([peer.regions[0][0]], I64), np.array([1 << 20], I64))
+        engine.read_batch(session, *args)
+        assert np.array_equal(dst, peer.expected(0))
+        real = _sys.process_vm_readv
+
+        def read_then_kill(*a):
+            got = real(*a)
+            peer.kill()  # the bytes arrived, but from a process that is now gone
+            return got
+
+        monkeypatch.setattr(_sys, "process_vm_readv", read_then_kill)
+        with pytest.raises(PeerGoneError, match="exited during the read"):
+            engine.read_batch(session, *args)
+
+
+# -- argument and region checks ------------------------------------------------------------
+
+
+def test_regions_are_checked_before_any_byte_moves(pair, recorder):
+    engine, session, buf = pair
+    descs = [(0, 0, 4096), (4096, buf.src.nbytes - 10, 20)]
+    with pytest.raises(RegionError, match="outside the regions peer"):
+        engine.read_batch(session, *arrays(buf, descs))
+    with pytest.raises(RegionError, match="registered destinations"):
+        engine.read_batch(session, *arrays(buf, [(buf.dst.nbytes - 10, 0, 20)]))
+    assert recorder.calls == [] and not buf.dst.any()
+
+
+@pytest.mark.parametrize(
+    "mangle, match",
+    [
+        (lambda l, r, n: (l.astype(np.int32), r, n), "local_addrs must be a 1-d numpy int64"),
+        (lambda l, r, n: (l, list(r), n), "remote_addrs must be a 1-d numpy int64 array, got list"),
+        (lambda l, r, n: (l, r, n.reshape(1, -1)), "lengths must be"),
+        (lambda l, r, n: (l[:1], r, n), "differ in length"),
+        (lambda l, r, n: (l, r, n * 0), "must be > 0"),
+    ],
+)
+def test_bad_arrays(pair, mangle, match):
+    engine, session, buf = pair
+    with pytest.raises(TransferError, match=match):
+        engine.read_batch(session, *mangle(*arrays(buf, [(0, 0, 64), (64, 64, 64)])))
+
+
+def test_foreign_and_closed_sessions(pair):
+    engine, session, buf = pair
+
+    class Other(type(session).__mro__[1]):  # a Session of another engine
+        peer_id = "x"
+        peer_regions = ()
+
+    with pytest.raises(TransferError, match="not a local-engine session"):
+        engine.read_batch(Other(), *arrays(buf, [(0, 0, 64)]))
+    session.close()
+    session.close()
+    with pytest.raises(PeerGoneError, match="closed"):
+        engine.read_batch(session, *arrays(buf, [(0, 0, 64)]))
+
+
+# -- threads ----------------------------------------------------------------------------------
+
+
+@given(st.lists(st.integers(1, 100_000), min_size=1, max_size=50), st.integers(1, 8), st.sampled_from([1, 4096]))
+def test_split_partitions_the_byte_stream(lengths, parts, align):
+    n = np.array(lengths, dtype=I64)
+    starts = np.concatenate([[0], np.cumsum(n)[:-1]])
+    whole = _iov.build(starts + (1 << 30), starts + (1 << 40), n)
+    shares = _iov.split(whole, parts, align)
+    assert 1 <= len(shares) <= parts
+    covered = []
+    for s in shares:
+        assert np.array_equal(s.local[:, 0] - np.uint64(1 << 30), s.remote[:, 0] - np.uint64(1 << 40))
+        assert (s.local[:, 1] > 0).all() and np.array_equal(s.local[:, 1], s.remote[:, 1])
+        covered += [(int(a) - (1 << 30), int(m)) for a, m in s.local]
+    pos = 0
+    for a, m in covered:  # in order, no gap, no overlap
+        assert a == pos
+        pos += m
+    assert pos == int(n.sum())
+
+
+def test_big_batches_use_the_pool_and_close_joins_it(recorder):
+    buf = Buffers(8 << 20, seed=9)
+    engine = LocalEngine("decode", threads=3, parallel_threshold_bytes=1 << 20)
+    session = engine.connect(engine.register([Region(buf.src_addr, buf.src.nbytes), Region(buf.dst_addr, buf.dst.nbytes)]))
+    descs = blocks(128, 64 << 10, seed=1)
+    recorder.calls.clear()  # drop connect's one-byte probe
+    engine.read_batch(session, *arrays(buf, descs))
+    assert np.array_equal(buf.dst, expect(buf, descs))
+    assert len(recorder.calls) == 3  # one share per thread, caller included
+    small = [(0, 0, 4096)]
+    recorder.calls.clear()
+    engine.read_batch(session, *arrays(buf, small))
+    assert len(recorder.calls) == 1
+    workers = [t for t in threading.enumerate() if t.name.startswith("rd2h-local")]
+    assert len(workers) == 2
+    engine.close()
+    engine.close()
+    assert not any(t.is_alive() for t in workers)
+    with pytest.raises(TransferError, match="closed"):
+        engine.read_batch(session, *arrays(buf, small))
+
+
+def test_failure_in_one_share_stops_the_others_and_is_raised(monkeypatch):
+    buf = Buffers(8 << 20, seed=2)
+    real = (_sys._load(), _sys.process_vm_readv)[1]
+    second = buf.src_addr + (4 << 20)
+
+    def fail_second_half(pid, liov, lcnt, riov, rcnt, flags):
+        first_remote = ctypes.c_uint64.from_address(riov).value
+        if first_remote >= second:
+            ctypes.set_errno(errno.EFAULT)
+            return -1
+        return real(pid, liov, lcnt, riov, rcnt, flags)
+
+    monkeypatch.setattr(_sys, "process_vm_readv", fail_second_half)
+    with LocalEngine("decode", threads=2, parallel_threshold_bytes=0) as engine:
+        session = engine.connect(engine.register([Region(buf.src_addr, buf.src.nbytes), Region(buf.dst_addr, buf.dst.nbytes)]))
+        with pytest.raises(TransferError, match="EFAULT"):
+            engine.read_batch(session, *arrays(buf, [(0, 0, 8 << 20)]))
