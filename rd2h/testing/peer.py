@@ -41,16 +41,9 @@ def pattern(seed: int, index: int, size: int) -> np.ndarray:
 
 
 def load_engine(name: str, role: str, **options: Any) -> Any:
-    """Build a transfer engine by name, through ``rd2h.plugins``."""
-    try:
-        from rd2h.plugins import load_engine as load
-    except ModuleNotFoundError as exc:  # older rd2h without the plugin loader
-        if exc.name != "rd2h.plugins":
-            raise
-        from importlib.metadata import entry_points
+    """Build a transfer engine by name, through ``rd2h.plugins`` (as an application would)."""
+    from rd2h.plugins import load_engine as load
 
-        (ep,) = entry_points(group="rd2h.transfer_engines", name=name)
-        return ep.load()(role=role, **options)
     return load(name, role, **options)
 
 

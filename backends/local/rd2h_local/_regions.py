@@ -37,16 +37,21 @@ class RegionBounds:
         self._starts = np.array([r.addr for r in self.regions], dtype=np.int64)
         self._ends = np.array([r.end for r in self.regions], dtype=np.int64)
 
-    def outside(self, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
-        """Indices of the ranges not wholly inside one region (empty when all are fine).
+    def outside(self, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.intp] | None:
+        """Indices of the ranges not wholly inside one region, or None when all are inside.
 
         Merging first means a range may span regions that touch; lengths must be > 0.
+        A handful of numpy operations whatever the count: this runs once per layer.
         """
-        if len(self._starts) == 0:
+        starts, ends = self._starts, self._ends
+        if len(starts) == 0:
             return np.arange(len(addrs))
-        idx = np.searchsorted(self._starts, addrs, side="right") - 1
-        ok = idx >= 0
-        safe = np.where(ok, idx, 0)
-        # ``lengths <= end - addr`` instead of ``addr + lengths <= end``: no overflow.
-        ok &= lengths <= self._ends[safe] - addrs
+        # ``lengths <= end - addr`` rather than ``addr + lengths <= end``: no overflow.
+        if len(starts) == 1:
+            ok = (addrs >= starts[0]) & (lengths <= ends[0] - addrs)
+        else:
+            idx = starts.searchsorted(addrs, side="right") - 1
+            ok = (idx >= 0) & (lengths <= ends[idx] - addrs)  # idx -1 reads the last end: masked
+        if ok.all():
+            return None
         return np.flatnonzero(~ok)

@@ -232,11 +232,11 @@ class LocalEngine(TransferEngine):
         n = _check_arrays(local_addrs, remote_addrs, lengths)
         if n == 0:
             return
-        _check_inside(session.bounds, remote_addrs, lengths, f"the regions peer {session.peer_id} registered")
-        _check_inside(self._bounds, local_addrs, lengths, "this engine's registered destinations")
+        _check_inside(session.bounds, remote_addrs, lengths, session, "the regions peer {} registered")
+        _check_inside(self._bounds, local_addrs, lengths, session, "this engine's registered destinations")
         pair = _iov.build(local_addrs, remote_addrs, lengths)
         deadline = time.monotonic() + self.timeout
-        if self.threads > 1 and int(lengths.sum()) > self.parallel_threshold_bytes:
+        if self.threads > 1 and pair.nbytes > self.parallel_threshold_bytes:
             self._copy_parallel(session.pid, pair, deadline)
         else:
             _iov.copy(session.pid, pair, deadline)
@@ -314,11 +314,13 @@ def _check_arrays(local_addrs: Int64Array, remote_addrs: Int64Array, lengths: In
     return n
 
 
-def _check_inside(bounds: RegionBounds, addrs: Int64Array, lengths: Int64Array, where: str) -> None:
+def _check_inside(
+    bounds: RegionBounds, addrs: Int64Array, lengths: Int64Array, session: LocalSession, where: str
+) -> None:
     bad = bounds.outside(addrs, lengths)
-    if len(bad):
+    if bad is not None:
         i = int(bad[0])
         raise RegionError(
-            f"{len(bad)} of {len(addrs)} ranges lie outside {where}; "
+            f"{len(bad)} of {len(addrs)} ranges lie outside {where.format(session.peer_id)}; "
             f"first: [{int(addrs[i]):#x}, +{int(lengths[i])}) (nothing was copied)"
         )
