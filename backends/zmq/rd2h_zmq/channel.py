@@ -65,6 +65,10 @@ class ZmqChannel(ControlChannel):
     ``curve_server_key``
         The ``*.key`` public certificate of the Decode listeners; needed to ``dialer()``.
 
+    Addresses are zmq endpoints: ``tcp://host:port`` (port 0 picks a free one; a bracketed
+    IPv6 literal such as ``tcp://[::1]:5600`` turns IPv6 on), ``ipc:///path``, and
+    ``inproc://name`` between the listeners and dialers of one channel.
+
     A deployment usually makes one server certificate shared by every Decode process and one
     client certificate per Prefill host (or one for all), and copies the client ``*.key``
     files into the Decode's authorized directory. A client whose key is not authorized, or

@@ -112,7 +112,9 @@ def _payload(frames: Sequence[bytes], source: object) -> bytes | None:
     return None
 
 
-def _common_options(sock: zmq.Socket[bytes], settings: Settings) -> None:
+def _common_options(sock: zmq.Socket[bytes], settings: Settings, address: str) -> None:
+    if "[" in address:
+        sock.setsockopt(zmq.IPV6, 1)  # a bracketed IPv6 literal; plain IPv4 stays IPv4-only
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, settings.high_water_mark)
     sock.setsockopt(zmq.RCVHWM, settings.high_water_mark)
@@ -136,7 +138,7 @@ class ZmqListener(Listener):
         context = shared.acquire(authenticate=curve is not None)
         sock = context.socket(zmq.ROUTER)
         try:
-            _common_options(sock, settings)
+            _common_options(sock, settings, address)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: EHOSTUNREACH, not silence
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting dialer takes its identity back
             if curve is not None:
@@ -310,7 +312,7 @@ class ZmqDialer(Dialer):
     def _connect(self, address: str) -> zmq.Socket[bytes]:
         sock = self._context.socket(zmq.DEALER)
         try:
-            _common_options(sock, self._settings)
+            _common_options(sock, self._settings, address)
             sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
             curve = self._settings.curve
             if curve is not None:

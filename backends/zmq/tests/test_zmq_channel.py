@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -126,7 +128,7 @@ def test_port_in_use_names_the_address_and_is_quick() -> None:
         with pytest.raises(PortInUseError, match=listener.address.replace(".", r"\.")) as caught:
             channel.listen(listener.address)
         assert time.monotonic() - start < 1.0
-        assert caught.value.errno == 98 or caught.value.errno is not None
+        assert caught.value.errno == errno.EADDRINUSE
         assert isinstance(caught.value, OSError)
 
 
@@ -139,6 +141,21 @@ def test_other_bind_errors_are_channel_errors() -> None:
         assert address in str(caught.value)
     with channel.listen("tcp://127.0.0.1:0"):  # the failures left the context usable
         pass
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 in this Python")
+def test_ipv6_literal_addresses(closer: Callable[[T], T]) -> None:
+    channel = ZmqChannel()
+    try:
+        listener = closer(channel.listen("tcp://[::1]:0"))
+    except ChannelError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    assert listener.address.startswith("tcp://[::1]:")
+    dialer = closer(channel.dialer())
+    dialer.send(listener.address, b"six")
+    peer, payload = listener.recv(ARRIVAL)
+    listener.send(peer, b"back")
+    assert payload == b"six" and dialer.recv(ARRIVAL) == (listener.address, b"back")
 
 
 def test_bad_dial_address_is_channel_error(closer: Callable[[T], T]) -> None:
