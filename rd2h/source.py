@@ -165,7 +165,9 @@ class Source:
         self._results: dict[str, SendResult] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._claimed_at: dict[int, float] = {}
         self.stray_replies = 0
+        self.layer_seconds: list[float] = []  # per announced layer: layer_ready -> last reply
 
     # -- compute path --------------------------------------------------------------------
 
@@ -243,6 +245,7 @@ class Source:
         """The layer's KV is written (or will be once ``event`` completes): announce it."""
         layer_idx = self._index_of(layer_name)
         self._gate.claim(layer_idx, self._slots(layer_name))
+        self._claimed_at[layer_idx] = time.monotonic()
         self._queue.put(_Task(layer_idx, layer_name, event, self._step))
         self._dialer.wakeup()
 
@@ -395,6 +398,9 @@ class Source:
         return f"{address}: {reply.error}"
 
     def _layer_released(self, layer_idx: int) -> None:
+        claimed = self._claimed_at.pop(layer_idx, None)
+        if claimed is not None:
+            self.layer_seconds.append(time.monotonic() - claimed)
         final_ids = self._final_layers.pop(layer_idx, ())
         if not final_ids:
             return
