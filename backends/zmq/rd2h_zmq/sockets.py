@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import secrets
 import threading
 import time
@@ -245,6 +246,11 @@ class ZmqDialer(Dialer):
         self._addresses: dict[zmq.Socket[bytes], str] = {}
         self._poller = zmq.Poller()
         self._next = 0  # where recv starts looking, so one busy endpoint cannot starve others
+        # wakeup(): another thread writes a byte here, which makes a blocked poll return
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
 
     @property
     def routing_id(self) -> bytes:
@@ -270,10 +276,10 @@ class ZmqDialer(Dialer):
         self._check_open()
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
-            if not self._sockets:
-                time.sleep(max(0.0, deadline - time.monotonic()))
-                return None
             ready = dict(self._poller.poll(_deadline_ms(deadline)))
+            if ready.pop(self._wake_r, 0):
+                self._drain_wakeups()
+                return None
             order = list(self._sockets.values())
             for step in range(len(order)):
                 index = (self._next + step) % len(order)
@@ -292,6 +298,20 @@ class ZmqDialer(Dialer):
             if time.monotonic() >= deadline:
                 return None
 
+    def wakeup(self) -> None:
+        """Make a ``recv`` blocked in another thread return ``None`` now. Thread-safe."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # the pipe is full (a wakeup is pending) or closed
+            pass
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
     def disconnect(self, address: str) -> None:
         """Close the connection to ``address``, dropping what is queued. Unknown: no-op."""
         sock = self._sockets.pop(address, None)
@@ -307,6 +327,9 @@ class ZmqDialer(Dialer):
         self._closed = True
         for address in list(self._sockets):
             self.disconnect(address)
+        self._poller.unregister(self._wake_r)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self._shared.release()
 
     def _connect(self, address: str) -> zmq.Socket[bytes]:

@@ -352,3 +352,26 @@ def test_curve_needs_its_pieces(keys: dict[str, Path]) -> None:
     empty.mkdir(exist_ok=True)
     with pytest.raises(ConfigError, match="no \\*.key"):
         ZmqChannel(curve_secret_key=keys["server_secret"], curve_authorized_keys=empty)
+
+
+def test_wakeup_returns_a_blocked_recv_at_once(closer: Callable[[T], T]) -> None:
+    import threading
+
+    dialer = closer(ZmqChannel().dialer())
+    returned: list[float] = []
+
+    def blocked() -> None:
+        started = time.monotonic()
+        assert dialer.recv(10.0) is None
+        returned.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    time.sleep(0.2)
+    dialer.wakeup()
+    thread.join(5.0)
+    assert returned and returned[0] < 2.0  # without wakeup it would block for 10 s
+    dialer.wakeup()  # a pending wakeup makes the next recv return at once too
+    started = time.monotonic()
+    assert dialer.recv(10.0) is None
+    assert time.monotonic() - started < 2.0
