@@ -20,13 +20,12 @@ from rd2h.errors import (
     BackendUnavailableError,
     ConfigError,
     PeerGoneError,
-    RegionError,
     TransferError,
     TransferTimeout,
 )
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
+from rd2h.regions import RegionSet
 from rd2h_local import _iov, _metadata, _sys
-from rd2h_local._regions import RegionBounds
 
 __all__ = ["LocalEngine", "LocalSession"]
 
@@ -45,7 +44,8 @@ class LocalSession(Session):
     def __init__(self, info: _metadata.PeerInfo, handle: _sys.ProcessHandle) -> None:
         self._info = info
         self._handle = handle
-        self.bounds = RegionBounds(info.regions)
+        self.bounds = RegionSet(info.regions)
+        self._regions = _as_regions(self.bounds)
         self.closed = False
 
     @property
@@ -54,7 +54,7 @@ class LocalSession(Session):
 
     @property
     def peer_regions(self) -> tuple[Region, ...]:
-        return self.bounds.regions
+        return self._regions
 
     @property
     def pid(self) -> int:
@@ -124,7 +124,7 @@ class LocalEngine(TransferEngine):
         self._pidns = _sys.pid_namespace()
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._bounds = RegionBounds(())
+        self._bounds = RegionSet()
         self._sessions: list[LocalSession] = []
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -138,7 +138,8 @@ class LocalEngine(TransferEngine):
 
     @property
     def registered_regions(self) -> tuple[Region, ...]:
-        return self._bounds.regions
+        """Every registered region, merged where they overlap or touch."""
+        return _as_regions(self._bounds)
 
     def register(self, regions: Sequence[Region]) -> bytes:
         """Add host regions; returns metadata covering all of them. ``TransferError`` for
@@ -151,7 +152,7 @@ class LocalEngine(TransferEngine):
                     f"is on {r.device!r}: use an engine with device capabilities (e.g. memfabric)"
                 )
         with self._lock:
-            self._bounds = RegionBounds(self._bounds.regions + tuple(regions))
+            self._bounds = RegionSet([*self._bounds, *((r.addr, r.length) for r in regions)])
             if self.role == "prefill" and not self._ptracer_set:
                 self._ptracer_set = _sys.allow_any_ptracer()
             info = _metadata.PeerInfo(
@@ -160,7 +161,7 @@ class LocalEngine(TransferEngine):
                 self._pidns,
                 self._pid,
                 _sys.start_time(self._pid),
-                self._bounds.regions,
+                _as_regions(self._bounds),
             )
         return _metadata.encode(info)
 
@@ -232,8 +233,9 @@ class LocalEngine(TransferEngine):
         n = _check_arrays(local_addrs, remote_addrs, lengths)
         if n == 0:
             return
-        _check_inside(session.bounds, remote_addrs, lengths, session, "the regions peer {} registered")
-        _check_inside(self._bounds, local_addrs, lengths, session, "this engine's registered destinations")
+        # Both sides are checked before a descriptor is built: nothing is copied on failure.
+        session.bounds.check(remote_addrs, lengths, f"remote range from {session.peer_id}")
+        self._bounds.check(local_addrs, lengths, "local destination")
         pair = _iov.build(local_addrs, remote_addrs, lengths)
         deadline = time.monotonic() + self.timeout
         if self.threads > 1 and pair.nbytes > self.parallel_threshold_bytes:
@@ -314,13 +316,5 @@ def _check_arrays(local_addrs: Int64Array, remote_addrs: Int64Array, lengths: In
     return n
 
 
-def _check_inside(
-    bounds: RegionBounds, addrs: Int64Array, lengths: Int64Array, session: LocalSession, where: str
-) -> None:
-    bad = bounds.outside(addrs, lengths)
-    if bad is not None:
-        i = int(bad[0])
-        raise RegionError(
-            f"{len(bad)} of {len(addrs)} ranges lie outside {where.format(session.peer_id)}; "
-            f"first: [{int(addrs[i]):#x}, +{int(lengths[i])}) (nothing was copied)"
-        )
+def _as_regions(bounds: RegionSet) -> tuple[Region, ...]:
+    return tuple(Region(addr, length) for addr, length in bounds)
