@@ -107,6 +107,14 @@ def plan_reads(
     return reads, refused
 
 
+def _summarize(refused: Mapping[str, str], shown: int = 4) -> str:
+    """One error text for a READ_FAILED that names several requests: each with its reason."""
+    parts = [f"{ext_id!r}: {reason}" for ext_id, reason in list(refused.items())[:shown]]
+    if len(refused) > shown:
+        parts.append(f"and {len(refused) - shown} more")
+    return f"{len(refused)} request(s) failed: " + "; ".join(parts)
+
+
 @dataclass(slots=True)
 class _Peer:
     p_session: str
@@ -362,9 +370,7 @@ class Sink:
         if not refused:
             self._listener.send(identity, protocol.encode(protocol.ReadDone(batch.layer_idx)))
             return
-        first = next(iter(refused.values()))
-        summary = first if len(refused) == 1 else f"{len(refused)} requests failed; first: {first}"
-        self._reply_failed(identity, batch, summary, list(refused))
+        self._reply_failed(identity, batch, _summarize(refused), list(refused))
 
     def _reply_failed(self, identity: bytes, batch: protocol.ReadReadyBatch, error: str, ext_ids: list[str]) -> None:
         log.warning("rank %d: layer %d failed for %d request(s): %s", self.rank, batch.layer_idx, len(ext_ids), error)

@@ -158,6 +158,8 @@ class Source:
         self._meta_sent: set[str] = set()
         self._dead: dict[str, str] = {}  # address -> why; skipped until a new request names it
         self._awaiting: dict[str, deque[tuple[int, float]]] = {}
+        self._in_flight: dict[tuple[str, int], bytes] = {}  # readiness frames not yet answered
+        self._resent: set[tuple[str, int]] = set()
         self._final_layers: dict[int, tuple[str, ...]] = {}
         # shared with the user thread
         self._lock = threading.Condition()
@@ -363,8 +365,10 @@ class Source:
                 ann.member,
                 ann.ratio,
             )
+            frame = protocol.encode(batch)
             self._awaiting.setdefault(address, deque()).append((task.layer_idx, now))
-            self._dialer.send(address, protocol.encode(batch))
+            self._in_flight[address, task.layer_idx] = frame
+            self._dialer.send(address, frame)
 
     def _on_reply(self, address: str, frame: bytes) -> None:
         try:
@@ -374,6 +378,10 @@ class Source:
             return
         if isinstance(reply, protocol.Ack):
             return
+        if isinstance(reply, protocol.ReadFailed) and reply.needs_meta and self._resend(address, reply.layer_idx):
+            return
+        self._in_flight.pop((address, reply.layer_idx), None)
+        self._resent.discard((address, reply.layer_idx))
         pending = self._awaiting.get(address)
         if pending:
             try:
@@ -385,6 +393,19 @@ class Source:
             error = self._on_failed(address, reply)
         if self._gate.replied(reply.layer_idx, address, error):
             self._layer_released(reply.layer_idx)
+
+    def _resend(self, address: str, layer_idx: int) -> bool:
+        """A restarted Decode asked who we are: introduce ourselves and repeat the readiness
+        it refused (it read nothing). Once per layer, so a Decode that refuses our mf_meta
+        fails the layer instead of looping."""
+        frame = self._in_flight.get((address, layer_idx))
+        if frame is None or (address, layer_idx) in self._resent:
+            return False
+        self._resent.add((address, layer_idx))
+        self._dialer.send(address, self._meta_frame)
+        self._meta_sent.add(address)
+        self._dialer.send(address, frame)
+        return True
 
     def _on_failed(self, address: str, reply: protocol.ReadFailed) -> str | None:
         """Record per-request failures; return an error only for a layer-wide failure."""
@@ -419,6 +440,8 @@ class Source:
                     for layer_idx, _ in pending:
                         for ext_id in self._final_layers.get(layer_idx, ()):
                             self._errors.setdefault(ext_id, error)
+                for layer_idx, _ in pending:
+                    self._in_flight.pop((address, layer_idx), None)
                 pending.clear()
                 self._dead[address] = error
                 self._meta_sent.discard(address)
