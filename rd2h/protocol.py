@@ -580,8 +580,10 @@ def _decode_read_request(entry: object, i: int) -> ReadRequest:
         raise TypeError(f"read_reqs[{i}]: expected an array, got {_kind(entry)}")
     n = len(entry)
     try:
+        if n >= 5:
+            return ReadRequest(entry[0], entry[1], entry[2], entry[3], entry[4])
         if n >= 3:
-            return ReadRequest(entry[0], entry[1], entry[2], *entry[3:5])
+            return ReadRequest(entry[0], entry[1], entry[2], entry[3] if n == 4 else 0)
         if n == 2:  # legacy: one id list for main and indexer
             return ReadRequest(entry[0], entry[1], entry[1])
     except (TypeError, ValueError) as exc:
