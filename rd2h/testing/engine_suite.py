@@ -24,7 +24,12 @@ Hooks for engines that need more than options:
   peer dies), ``local_region_check`` (refuses unregistered destinations),
   ``session_close`` (a closed session refuses reads), ``concurrent_reads``;
 - ``failure_bound_s``: how fast a failure must be reported (dead peer, garbage metadata);
+  keep it above the engine's own call timeout;
+- ``reader_role`` / ``peer_role``: which role reads ("decode") and which is read ("prefill");
 - ``region_sizes``, ``destination_size``, ``block_len``: sizes of the memory used.
+
+Services the engine needs in the test process (a config store, a daemon) belong in an
+autouse class-scoped fixture of the subclass: pytest sets those up before ``reader``.
 
 Every failure path runs in a watchdog thread, so an engine that hangs fails its test
 after ``failure_bound_s`` instead of hanging the run.
@@ -71,7 +76,10 @@ class Reader:
     def close(self) -> None:
         self.engine.close()
         del self.dest, self.guard
-        self._memory.close()
+        try:
+            self._memory.close()
+        except BufferError:  # a test still holds a view; the mapping goes with it
+            pass
 
 
 def _arrays(reader: Reader, peer: PeerProcess, descs: Sequence[Descriptor]) -> tuple[np.ndarray, ...]:

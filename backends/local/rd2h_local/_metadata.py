@@ -44,12 +44,14 @@ def _malformed(what: str) -> TransferError:
     return TransferError(f"malformed local-engine metadata: {what}")
 
 
-def _int(value: object, field: str, *, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
+def _int(value: object, field: str) -> int:
     if type(value) is not int or value < 0:
         raise _malformed(f"{field} must be a non-negative integer, got {value!r:.60}")
     return value
+
+
+def _optional_int(value: object, field: str) -> int | None:
+    return None if value is None else _int(value, field)
 
 
 def decode(blob: bytes) -> PeerInfo:
@@ -71,9 +73,9 @@ def decode(blob: bytes) -> PeerInfo:
     boot, host = msg[2], msg[3]
     if not isinstance(boot, str) or not isinstance(host, str):
         raise _malformed("boot_id and hostname must be strings")
-    pidns = _int(msg[4], "pid_namespace", optional=True)
+    pidns = _optional_int(msg[4], "pid_namespace")
     pid = _int(msg[5], "pid")
-    start = _int(msg[6], "start_time", optional=True)
+    start = _optional_int(msg[6], "start_time")
     if not pid:
         raise _malformed("pid must be positive")
     if not isinstance(msg[7], list):
