@@ -341,21 +341,21 @@ class _Group:
         ctx = self.ctx
         for name, s, d in zip(self.names, self.src, self.dst):
             for side, t, ids, regions in (("remote", s, self.S, src_regions), ("local", d, self.D, dst_regions)):
-                if regions.covers(t.base_addr, t.nbytes):
-                    continue  # every in-range id lies inside: no per-block check needed
-                addrs = ids * t.stride  # ids out of range belong to failed requests already
-                addrs += t.base_addr
-                outside = ~regions.contains(addrs, t.stride)
+                intervals = regions.block_intervals(t.base_addr, t.stride, t.num_blocks)
+                if intervals == [(0, t.num_blocks)] or ids.size == 0:
+                    continue  # every in-range id lies inside (ids out of range failed already)
+                outside = _outside(ids, intervals)
                 if not outside.any():
                     continue
                 pos = np.flatnonzero(outside)
                 reqs, first = np.unique(self.owners(pos), return_index=True)
                 for r, p in zip(reqs.tolist(), pos[first].tolist()):
+                    addr = t.base_addr + int(ids[p]) * t.stride
                     ctx.fail(
                         r,
                         RegionError(
                             f"{ctx.layer}{side} {name} of request {ctx.ext_ids[r]!r}: "
-                            f"{describe_range(int(addrs[p]), t.stride)} is outside the registered regions"
+                            f"{describe_range(addr, t.stride)} is outside the registered regions"
                         ),
                     )
 
@@ -397,6 +397,18 @@ class _Group:
             np.take(D, starts, out=take(self.kind + ".D0", k)),
             blocks,
         )
+
+
+def _outside(ids: Int64Array, intervals: list[tuple[int, int]]) -> npt.NDArray[np.bool_]:
+    """Per id, whether it falls in none of the sorted, disjoint ``[lo, hi)`` intervals."""
+    if not intervals:
+        return np.ones(ids.size, dtype=bool)
+    if len(intervals) == 1:
+        lo, hi = intervals[0]
+        return (ids - lo).view(np.uint64) >= hi - lo  # below lo wraps to huge
+    lo_a, hi_a = (np.array(v, dtype=np.int64) for v in zip(*intervals))
+    j = np.searchsorted(lo_a, ids, side="right") - 1
+    return (j < 0) | (ids >= hi_a[np.maximum(j, 0)])
 
 
 class _Call:
@@ -487,7 +499,15 @@ def _build(
             s_tensors.append(src.scale)
             d_tensors.append(dst.scale)
         groups.append(
-            _Group("indexer", names, s_tensors, d_tensors, [r.src_indexer for r in reads], [r.dst_indexer for r in reads], ctx)
+            _Group(
+                "indexer",
+                names,
+                s_tensors,
+                d_tensors,
+                [r.src_indexer for r in reads],
+                [r.dst_indexer for r in reads],
+                ctx,
+            )
         )
     for g in groups:
         g.check_ranges()
