@@ -215,6 +215,38 @@ def measure(setup: Setup, repeat: int, threads: tuple[int, ...] = (1, 2)) -> dic
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def threshold_sweep(setup: Setup, repeat: int) -> dict[int, tuple[float, float]]:
+    """GB/s of one ``read_batch`` of N blocks, 1 thread vs 2 threads, by batch size:
+    where splitting starts to pay is what ``parallel_threshold_bytes`` should be."""
+    from rd2h.interfaces import Region
+    from rd2h_local import LocalEngine
+
+    engines = [LocalEngine("decode", threads=t, parallel_threshold_bytes=0) for t in (1, 2)]
+    try:
+        sessions = []
+        for e in engines:
+            e.register([Region(setup.dest_addr, setup.total)])
+            sessions.append(e.connect(setup.source.metadata))
+        out = {}
+        n = 1
+        while n <= setup.blocks:
+            loc, rem, ln = setup.local[0][:n], setup.remote[0][:n], setup.lengths[:n]
+            rates = []
+            for e, s in zip(engines, sessions):
+                times = []
+                for _ in range(max(repeat, 5) * max(1, 64 // n)):
+                    start = time.perf_counter()
+                    e.read_batch(s, loc, rem, ln)
+                    times.append(time.perf_counter() - start)
+                rates.append(n * setup.block_len / statistics.median(times) / 1e9)
+            out[n * setup.block_len] = (rates[0], rates[1])
+            n *= 2
+        return out
+    finally:
+        for e in engines:
+            e.close()
+
+
 def machine() -> dict[str, str]:
     cpu = "?"
     try:
@@ -238,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-kib", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--sweep", action="store_true", help="also time one read_batch by size, 1 vs 2 threads")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -246,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(args.layers, args.blocks, args.block_kib << 10)
     try:
         gbps = measure(setup, args.repeat)
+        sweep = threshold_sweep(setup, args.repeat) if args.sweep else {}
     finally:
         setup.close()
     info = machine()
@@ -263,9 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, v in ratios.items():
         print(f"{name:<22}{v:>6.2f}")
+    if sweep:
+        print(f"\none read_batch by size (threshold 0): {'bytes':>10}{'1t GB/s':>9}{'2t GB/s':>9}")
+        for size, (one, two) in sweep.items():
+            print(f"{'':<36}{size:>10}{one:>9.2f}{two:>9.2f}")
     if args.json:
+        result = {"machine": info, "config": vars(args), "gbps": gbps, "ratios": ratios, "sweep": sweep}
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "config": vars(args), "gbps": gbps, "ratios": ratios}, f, indent=2)
+            json.dump(result, f, indent=2)
     return 0
 
 

@@ -198,6 +198,7 @@ class LocalEngine(TransferEngine):
             if self._closed:
                 session.close()
                 raise TransferError("the local engine is closed")
+            self._sessions = [s for s in self._sessions if not s.closed]
             self._sessions.append(session)
         return session
 
@@ -260,8 +261,9 @@ class LocalEngine(TransferEngine):
             first = exc
             stop[0] = True
         # Wait for every share even after a failure: the caller may reuse the destinations
-        # as soon as we return, so no thread of ours may still be writing into them.
-        done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        # as soon as we return, so no thread of ours may still be writing into them. Only a
+        # syscall stuck past the deadline (cannot be cancelled) escapes this.
+        _, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         if pending:
             stop[0] = True
             raise TransferTimeout(f"read from process {pid} did not finish within {self.timeout} s")
