@@ -1,0 +1,35 @@
+# The two commands a new machine needs:  make demo   and   make test
+# Both set up .venv first (idempotent): rd2h, its default backends, the memfabric backend with
+# the real memfabric-hybrid wheel and its CPU test kit, torch (CPU) and the test tools.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+KIT    := .rd2h-kit
+STAMP  := $(VENV)/.rd2h-installed
+BACKENDS := $(wildcard backends/*/pyproject.toml)
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(BACKENDS) Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	# torch 2.13.0 is a CPU wheel on these machines; an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(foreach b,$(BACKENDS),-e $(dir $(b))) -e '.[dev]'
+	bash tests/kit/memfabric-cpu/setup.sh $(PY) $(KIT)
+	touch $@
+
+test: setup
+	$(PY) -m pytest
+
+demo: setup
+	$(VENV)/bin/rd2h demo
+
+bench: setup
+	$(PY) -m pytest bench --benchmark-enable --benchmark-only
+
+clean:
+	rm -rf $(VENV) $(KIT)
