@@ -41,6 +41,7 @@ __all__ = [
     "TerminalState",
     "tensor_layout",
     "layer_layout",
+    "record_event",
 ]
 
 
@@ -74,6 +75,31 @@ def tensor_layout(tensor: Any, block_size_scale: int = 1) -> TensorLayout:
     num_blocks = int(tensor.shape[0])
     block_rows = num_blocks * block_size_scale
     return TensorLayout(addr, nbytes // block_rows, num_blocks, block_size_scale)
+
+
+def record_event(tensor: Any) -> Any | None:
+    """An event recorded on the tensor's device stream now, for ``layer_ready``.
+
+    CUDA: ``torch.cuda.Event``; Ascend NPU: ``torch.npu.Event`` (torch_npu is imported only
+    then); CPU tensors and numpy arrays are written synchronously, so ``None`` (complete).
+    """
+    device = getattr(getattr(tensor, "device", None), "type", "cpu")
+    if device == "cuda":
+        import torch
+
+        event = torch.cuda.Event()
+    elif device == "npu":
+        try:
+            import torch_npu  # noqa: F401 - registers torch.npu
+        except ImportError as exc:
+            raise ConfigError("an NPU tensor needs torch_npu: pip install torch-npu") from exc
+        import torch
+
+        event = torch.npu.Event()
+    else:
+        return None
+    event.record()
+    return event
 
 
 def layer_layout(tensors: LayerTensors) -> LayerLayout:

@@ -41,3 +41,10 @@ def test_tensor_layout_reads_torch_and_numpy_alike() -> None:
 def test_tensor_layout_refuses_what_it_cannot_address(bad: object) -> None:
     with pytest.raises(ConfigError):
         tensor_layout(bad)
+
+
+def test_record_event_on_cpu_is_already_complete() -> None:
+    from rd2h.api import record_event
+
+    assert record_event(torch.zeros(2)) is None
+    assert record_event(np.zeros(2)) is None
