@@ -376,9 +376,10 @@ class _Group:
         m = S.size
         if m <= 1:
             return S, D, None
-        step = take(self.kind + ".step", m - 1)
-        brk = take(self.kind + ".brk", m, np.bool_)
-        brk2 = take(self.kind + ".brk2", m - 1, np.bool_)
+        # step and break masks die here, so the groups share them
+        step = take("step", m - 1)
+        brk = take("brk", m, np.bool_)
+        brk2 = take("brk2", m - 1, np.bool_)
         brk[0] = True
         np.subtract(S[1:], S[:-1], out=step)
         np.not_equal(step, 1, out=brk[1:])
