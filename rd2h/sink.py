@@ -25,7 +25,7 @@ import numpy as np
 from rd2h import protocol
 from rd2h.errors import BlockRangeError, ProtocolError, RD2HError, StateError
 from rd2h.interfaces import Listener, Region, Session, TransferEngine
-from rd2h.layout import LayerLayout, LayerPlan, RequestRead, build_layer_plan
+from rd2h.layout import LayerLayout, LayerPlan, PlanBuilder, RequestRead
 from rd2h.regions import RegionSet
 from rd2h.topology import indexer_share, main_share
 from rd2h.tracking import ContributorTracker, RequestState, RequestTracker, TerminalState
@@ -162,6 +162,7 @@ class Sink:
         self._poll = poll_seconds
         self._on_layer = on_layer
         self._peers: dict[bytes, _Peer] = {}
+        self._plans = PlanBuilder()  # loop thread only; a plan is read before the next is built
         self._destinations: dict[str, Destinations] = {}
         self._requests = RequestTracker()
         self._contributors = ContributorTracker()
@@ -302,7 +303,7 @@ class Sink:
             readable = {e: self._destinations[e] for e in ext_ids if self._readable(e)}
         reads, refused = plan_reads(batch, readable, decode_rank=self.rank, decode_tp=self.tp_size)
         try:
-            plan = build_layer_plan(
+            plan = self._plans.build(
                 src, dst, reads, src_regions=peer.regions, dst_regions=self._regions, layer_name=batch.layer_name
             )
         except RD2HError as exc:  # a layout mismatch fails the whole layer before any read
