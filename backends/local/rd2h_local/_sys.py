@@ -139,7 +139,7 @@ class ProcessHandle:
         """Whether the process has exited (a zombie counts), without blocking."""
         fd = self._fd
         if fd is not None:
-            try:
+            try:  # select, not a shared poll object: several threads may ask at once
                 return bool(select.select([fd], [], [], 0)[0])
             except (OSError, ValueError):
                 return True

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -20,12 +21,14 @@ from rd2h.errors import (
     BackendUnavailableError,
     ConfigError,
     PeerGoneError,
+    RegionError,
     TransferError,
     TransferTimeout,
 )
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.regions import RegionSet
 from rd2h_local import _iov, _metadata, _sys
+from rd2h_local._bounds import FastBounds
 
 __all__ = ["LocalEngine", "LocalSession"]
 
@@ -45,6 +48,7 @@ class LocalSession(Session):
         self._info = info
         self._handle = handle
         self.bounds = RegionSet(info.regions)
+        self.fast_bounds = FastBounds(self.bounds)
         self._regions = _as_regions(self.bounds)
         self.closed = False
 
@@ -125,6 +129,7 @@ class LocalEngine(TransferEngine):
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._bounds = RegionSet()
+        self._fast_bounds = FastBounds(self._bounds)
         self._sessions: list[LocalSession] = []
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -153,6 +158,7 @@ class LocalEngine(TransferEngine):
                 )
         with self._lock:
             self._bounds = RegionSet([*self._bounds, *((r.addr, r.length) for r in regions)])
+            self._fast_bounds = FastBounds(self._bounds)
             if self.role == "prefill" and not self._ptracer_set:
                 self._ptracer_set = _sys.allow_any_ptracer()
             info = _metadata.PeerInfo(
@@ -231,12 +237,14 @@ class LocalEngine(TransferEngine):
             raise TransferError(f"not a local-engine session: {type(session).__name__}")
         if session.closed:
             raise PeerGoneError(f"the session to {session.peer_id} is closed")
-        n = _check_arrays(local_addrs, remote_addrs, lengths)
-        if n == 0:
+        if _check_shapes(local_addrs, remote_addrs, lengths) == 0:
             return
         # Both sides are checked before a descriptor is built: nothing is copied on failure.
-        session.bounds.check(remote_addrs, lengths, f"remote range from {session.peer_id}")
-        self._bounds.check(local_addrs, lengths, "local destination")
+        if not (
+            session.fast_bounds.all_inside(remote_addrs, lengths)
+            and self._fast_bounds.all_inside(local_addrs, lengths)
+        ):
+            self._refuse(session, local_addrs, remote_addrs, lengths)
         pair = _iov.build(local_addrs, remote_addrs, lengths)
         deadline = time.monotonic() + self.timeout
         if self.threads > 1 and pair.nbytes > self.parallel_threshold_bytes:
@@ -245,6 +253,14 @@ class LocalEngine(TransferEngine):
             _iov.copy(session.pid, pair, deadline)
         if session.peer_exited():
             raise PeerGoneError(f"peer process {session.pid} exited during the read; its data is not used")
+
+    def _refuse(self, session: LocalSession, local_addrs: Int64Array, remote_addrs: Int64Array, lengths: Int64Array) -> NoReturn:
+        """Raise the error that explains why the fast check said no."""
+        if int(lengths.min()) <= 0:
+            raise TransferError(f"every length must be > 0 (found {int(lengths.min())})")
+        session.bounds.check(remote_addrs, lengths, f"remote range from {session.peer_id}")
+        self._bounds.check(local_addrs, lengths, "local destination")
+        raise RegionError("a range lies outside the registered regions")  # the two checks disagree: refuse
 
     def _copy_parallel(self, pid: int, pair: _iov.IovPair, deadline: float) -> None:
         shares = _iov.split(pair, self.threads)
@@ -303,9 +319,13 @@ class LocalEngine(TransferEngine):
         return self
 
 
-def _check_arrays(local_addrs: Int64Array, remote_addrs: Int64Array, lengths: Int64Array) -> int:
+_INT64 = np.dtype(np.int64)
+
+
+def _check_shapes(local_addrs: Int64Array, remote_addrs: Int64Array, lengths: Int64Array) -> int:
+    """The batch size; ``TransferError`` unless all three are 1-d int64 arrays of one length."""
     for name, a in (("local_addrs", local_addrs), ("remote_addrs", remote_addrs), ("lengths", lengths)):
-        if not (isinstance(a, np.ndarray) and a.dtype == np.int64 and a.ndim == 1):
+        if not (isinstance(a, np.ndarray) and a.dtype == _INT64 and a.ndim == 1):
             what = f"{a.dtype} array of {a.ndim} dims" if isinstance(a, np.ndarray) else type(a).__name__
             raise TransferError(f"{name} must be a 1-d numpy int64 array, got {what}")
     n = len(lengths)
@@ -313,8 +333,6 @@ def _check_arrays(local_addrs: Int64Array, remote_addrs: Int64Array, lengths: In
         raise TransferError(
             f"arrays differ in length: local_addrs {len(local_addrs)}, remote_addrs {len(remote_addrs)}, lengths {n}"
         )
-    if n and int(lengths.min()) <= 0:
-        raise TransferError(f"every length must be > 0 (found {int(lengths.min())})")
     return n
 
 

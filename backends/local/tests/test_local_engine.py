@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from rd2h.errors import ConfigError, PeerGoneError, RegionError, TransferError, TransferTimeout
 from rd2h.interfaces import Capability, Region
 from rd2h.testing.peer import PeerProcess
+from rd2h.regions import RegionSet
 from rd2h_local import LocalEngine, _iov, _metadata, _sys
+from rd2h_local._bounds import FastBounds
 
 PAGE = mmap.PAGESIZE
 I64 = np.int64
@@ -238,6 +240,19 @@ def test_any_bytes_decode_or_raise_transfer_error(blob):
         pass
 
 
+@settings(max_examples=300)
+@given(
+    st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(1, 1 << 12)), max_size=6),
+    st.lists(st.tuples(st.integers(-(1 << 12), 1 << 21), st.integers(-2, 1 << 13)), min_size=1, max_size=20),
+)
+def test_fast_bounds_agree_with_region_set(regions, ranges):
+    """The per-layer fast check and rd2h's RegionSet accept exactly the same batches."""
+    rs = RegionSet(regions)
+    addrs = np.array([a for a, _ in ranges], dtype=I64)
+    lens = np.array([n for _, n in ranges], dtype=I64)
+    assert FastBounds(rs).all_inside(addrs, lens) == bool(rs.contains(addrs, lens).all())
+
+
 # -- the copy loop ----------------------------------------------------------------------------
 
 
@@ -410,7 +425,7 @@ def test_split_partitions_the_byte_stream(lengths, parts, align):
     assert 1 <= len(shares) <= parts
     covered = []
     for s in shares:
-        assert np.array_equal(s.local[:, 0] - np.uint64(1 << 30), s.remote[:, 0] - np.uint64(1 << 40))
+        assert np.array_equal(s.local[:, 0] - (1 << 30), s.remote[:, 0] - (1 << 40))
         assert (s.local[:, 1] > 0).all() and np.array_equal(s.local[:, 1], s.remote[:, 1])
         covered += [(int(a) - (1 << 30), int(m)) for a, m in s.local]
     pos = 0
