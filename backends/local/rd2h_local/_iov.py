@@ -58,29 +58,41 @@ def build(
 
 
 def split(pair: IovPair, parts: int, align: int = 4096) -> list[IovPair]:
-    """Cut a batch into ``parts`` shares of nearly equal bytes (cuts on ``align`` multiples
-    of the byte stream, inside a descriptor where needed). Each share owns its arrays."""
+    """Cut a batch into at most ``parts`` shares of nearly equal bytes.
+
+    A cut goes on the descriptor boundary nearest the ideal point when that is within
+    1/8 of a share (a share is then a view, nothing copied: the usual case of many
+    equal blocks); otherwise inside a descriptor, on an ``align`` multiple of the byte
+    stream (that share gets its own adjusted arrays). Shares never overlap.
+    """
     lengths = pair.local[:, 1]
     ends = np.cumsum(lengths)
-    total = int(ends[-1]) if len(ends) else 0
+    total = pair.nbytes
+    ideal = [total * k // parts for k in range(1, parts)]
+    nearest = ends.searchsorted(ideal).tolist()  # first boundary at or after each ideal cut
     cuts = [0]
-    for k in range(1, parts):
-        cut = (total * k // parts) // align * align
-        if cut > cuts[-1]:
+    for t, j in zip(ideal, nearest):
+        after = int(ends[j])
+        before = int(ends[j - 1]) if j else 0
+        cut = after if after - t <= t - before else before
+        if abs(cut - t) * parts * 8 > total:
+            cut = t // align * align
+        if cuts[-1] < cut < total:
             cuts.append(cut)
     cuts.append(total)
     shares = []
     for a, b in zip(cuts, cuts[1:]):
-        if b <= a:
+        first = int(ends.searchsorted(a, side="right"))  # first descriptor ending after a
+        last = int(ends.searchsorted(b, side="left"))  # descriptor holding byte b-1
+        start = int(ends[first]) - int(lengths[first])
+        if start == a and int(ends[last]) == b:
+            shares.append(IovPair(pair.local[first : last + 1], pair.remote[first : last + 1], b - a))
             continue
-        first = int(np.searchsorted(ends, a, side="right"))  # first descriptor ending after a
-        last = int(np.searchsorted(ends, b, side="left"))  # descriptor holding byte b-1
         local = pair.local[first : last + 1].copy()
         remote = pair.remote[first : last + 1].copy()
-        skip = a - (int(ends[first]) - int(lengths[first]))
         for arr in (local, remote):
-            arr[0, 0] += skip
-            arr[0, 1] -= skip
+            arr[0, 0] += a - start
+            arr[0, 1] -= a - start
             arr[-1, 1] -= int(ends[last]) - b
         shares.append(IovPair(local, remote, b - a))
     return shares
