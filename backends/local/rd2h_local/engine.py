@@ -35,9 +35,9 @@ __all__ = ["LocalEngine", "LocalSession"]
 Int64Array = npt.NDArray[np.int64]
 
 _ROLES = ("prefill", "decode")
-# Below this a batch is copied on the calling thread: a hand-off to the pool costs tens of
-# microseconds, about what one thread copies in 256 KiB. Measured in bench/local_engine.py.
-DEFAULT_PARALLEL_THRESHOLD = 4 << 20
+# Batches up to this size are copied on the calling thread. `bench/local_engine.py --sweep`
+# on 2 cores: at 2 MiB one and two threads tie, at 4 MiB two threads are 1.5x faster.
+DEFAULT_PARALLEL_THRESHOLD = 2 << 20
 DEFAULT_TIMEOUT = 30.0
 
 
