@@ -27,7 +27,7 @@ from typing import Any
 from rd2h import plugins
 from rd2h.errors import ConfigError
 from rd2h.layout import LayerLayout, TensorLayout
-from rd2h.sink import Destinations, Sink
+from rd2h.sink import Sink
 from rd2h.source import DecodeEndpoint, SendResult, Source
 from rd2h.topology import base_port, decode_ports
 from rd2h.tracking import TerminalState
@@ -115,11 +115,13 @@ def _layouts(layers: Mapping[str, LayerTensors | LayerLayout]) -> dict[str, Laye
     return {name: t if isinstance(t, LayerLayout) else layer_layout(t) for name, t in layers.items()}
 
 
-class KVSink:
-    """Decode side of one TP rank: binds ``tcp://host:rank_port`` and pulls what Prefill announces.
+class KVSink(Sink):
+    """Decode side of one TP rank, built from tensors and backend names, started at once.
 
-    Raises PortInUseError at once if the port is taken, BackendNotFoundError /
-    BackendUnavailableError for an engine or channel that cannot be loaded.
+    Binds ``tcp://host:rank_port`` (``kv_port + dp_rank * tp_size + rank``) now: raises
+    PortInUseError if it is taken, PortError if a port leaves 1..65535,
+    BackendNotFoundError / BackendUnavailableError for an engine or channel that cannot
+    be loaded. ``endpoint`` is what Prefill needs to reach this Decode instance.
     """
 
     def __init__(
@@ -139,7 +141,6 @@ class KVSink:
     ) -> None:
         ports = decode_ports(kv_port, dp_rank, tp_size)  # validates the highest port too
         self.endpoint = DecodeEndpoint(host, base_port(kv_port, dp_rank, tp_size), tp_size)
-        layouts = _layouts(layers)
         transfer = plugins.load_engine(engine, "decode", **dict(engine_options or {}))
         try:
             listener = plugins.load_channel(channel, **dict(channel_options or {})).listen(
@@ -148,50 +149,15 @@ class KVSink:
         except BaseException:
             transfer.close()
             raise
-        self._sink = Sink(
+        super().__init__(
             rank=rank, tp_size=tp_size, engine=transfer, listener=listener,
-            layers=layouts, accept_legacy=accept_legacy,
-        ).start()
-
-    @property
-    def address(self) -> str:
-        return self._sink.address
-
-    @property
-    def runtime(self) -> Sink:
-        """The underlying runtime (statistics, counters)."""
-        return self._sink
-
-    def expect(self, ext_id: str, main_blocks: Sequence[int], indexer_blocks: Sequence[int] | None = None) -> None:
-        """``ext_id`` lands in these destination blocks (in prompt order)."""
-        self._sink.expect(ext_id, Destinations.of(main_blocks, indexer_blocks))
-
-    def abort(self, ext_id: str) -> None:
-        self._sink.abort(ext_id)
-
-    def wait(self, ext_ids: Sequence[str], timeout: float) -> dict[str, TerminalState]:
-        """Block until each request is terminal on this rank; raise TimeoutError otherwise."""
-        return self._sink.wait_terminal(ext_ids, timeout)
-
-    def take_terminal(self) -> dict[str, TerminalState]:
-        return self._sink.take_terminal()
-
-    def reason(self, ext_id: str) -> str | None:
-        """Why a FAILED request failed."""
-        return self._sink.reason(ext_id)
-
-    def close(self) -> None:
-        self._sink.close()
-
-    def __enter__(self) -> KVSink:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            layers=_layouts(layers), accept_legacy=accept_legacy,
+        )
+        self.start()
 
 
-class KVSource:
-    """Prefill side of one TP rank: exposes its cache and announces each layer."""
+class KVSource(Source):
+    """Prefill side of one TP rank, built from tensors and backend names, started at once."""
 
     def __init__(
         self,
@@ -207,63 +173,14 @@ class KVSource:
         last_layer: str | None = None,
         reply_timeout: float = 30.0,
     ) -> None:
-        layouts = _layouts(layers)
         transfer = plugins.load_engine(engine, "prefill", **dict(engine_options or {}))
         try:
             dialer = plugins.load_channel(channel, **dict(channel_options or {})).dialer()
         except BaseException:
             transfer.close()
             raise
-        self._source = Source(
-            rank=rank, tp_size=tp_size, engine=transfer, dialer=dialer, layers=layouts,
+        super().__init__(
+            rank=rank, tp_size=tp_size, engine=transfer, dialer=dialer, layers=_layouts(layers),
             block_size=block_size, last_layer=last_layer, reply_timeout=reply_timeout,
-        ).start()
-        self.layer_names = tuple(layouts)
-
-    @property
-    def runtime(self) -> Source:
-        return self._source
-
-    def add_request(
-        self,
-        ext_id: str,
-        decode: DecodeEndpoint,
-        *,
-        main_block_ids: Sequence[int],
-        indexer_block_ids: Sequence[int] | None = None,
-        num_tokens: int,
-    ) -> None:
-        self._source.add_request(
-            ext_id, decode, main_block_ids=main_block_ids, indexer_block_ids=indexer_block_ids, num_tokens=num_tokens
         )
-
-    def schedule(self, computed_tokens: Mapping[str, int]) -> None:
-        self._source.schedule(computed_tokens)
-
-    def wait_for_layer_send(self, layer_name: str, timeout: float | None = None) -> None:
-        self._source.wait_for_layer_send(layer_name, timeout)
-
-    def layer_ready(self, layer_name: str, event: Any | None = None) -> None:
-        self._source.layer_ready(layer_name, event)
-
-    def send_all(self, computed_tokens: Mapping[str, int]) -> None:
-        """One step whose KV is already written for every layer: announce all layers."""
-        self._source.schedule(computed_tokens)
-        for name in self.layer_names:
-            self._source.wait_for_layer_send(name)
-            self._source.layer_ready(name)
-
-    def wait_finished(self, ext_ids: Sequence[str], timeout: float) -> dict[str, SendResult]:
-        return self._source.wait_finished(ext_ids, timeout)
-
-    def take_finished(self) -> dict[str, SendResult]:
-        return self._source.take_finished()
-
-    def close(self) -> None:
-        self._source.close()
-
-    def __enter__(self) -> KVSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.start()

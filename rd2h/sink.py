@@ -184,8 +184,10 @@ class Sink:
             self._thread.start()
         return self
 
-    def expect(self, ext_id: str, destinations: Destinations) -> None:
-        """Destinations of ``ext_id`` on this rank are allocated; Prefill may now announce it."""
+    def expect(self, ext_id: str, main_blocks: Sequence[int], indexer_blocks: Sequence[int] | None = None) -> None:
+        """``ext_id`` lands in these destination blocks (in prompt order; the indexer's default
+        to the main ones). Prefill may announce it from now on."""
+        destinations = Destinations.of(main_blocks, indexer_blocks)
         with self._lock:
             self._requests.expect(ext_id)
             self._destinations[ext_id] = destinations
@@ -206,7 +208,7 @@ class Sink:
                 self._contributors.forget(ext_id)
             return taken
 
-    def wait_terminal(self, ext_ids: Sequence[str], timeout: float) -> dict[str, TerminalState]:
+    def wait(self, ext_ids: Sequence[str], timeout: float) -> dict[str, TerminalState]:
         """Block until every request in ``ext_ids`` is terminal on this rank; their states.
 
         Raises TimeoutError naming the requests still waiting.

@@ -251,6 +251,13 @@ class Source:
         self._queue.put(_Task(layer_idx, layer_name, event, self._step))
         self._dialer.wakeup()
 
+    def send_all(self, computed_tokens: Mapping[str, int]) -> None:
+        """One step whose KV is already written for every layer: announce all layers."""
+        self.schedule(computed_tokens)
+        for name in self._layers:
+            self.wait_for_layer_send(name)
+            self.layer_ready(name)
+
     def take_finished(self) -> dict[str, SendResult]:
         """Requests whose final chunk was answered for every layer, since the last call."""
         with self._lock:

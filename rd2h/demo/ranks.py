@@ -117,7 +117,7 @@ def _prefill(config: DemoConfig, rank: int, events: Any, go: Any) -> dict[str, A
             "started": started,
             "finished": finished,
             "exposed_seconds": finished - last_ready,
-            "layer_seconds": list(source.runtime.layer_seconds),
+            "layer_seconds": list(source.layer_seconds),
             "failed": failed,
         }
 
@@ -161,7 +161,7 @@ def _decode_into(config: DemoConfig, rank: int, pool: memoryview, events: Any, g
         states = sink.wait([r.ext_id for r in work.requests], config.timeout)
         finished = time.monotonic()
         failed = {e: f"{s.value}: {sink.reason(e)}" for e, s in states.items() if s.value != "done"}
-        counters = sink.runtime.counters
+        counters = sink.counters
     return {
         "finished": finished,
         "bytes": counters.bytes_read,

@@ -15,7 +15,7 @@ import pytest
 from rd2h import plugins
 from rd2h.api import KVSink, KVSource, LayerTensors, layer_layout
 from rd2h.errors import GateTimeout, LayerFailedError
-from rd2h.sink import Destinations, Sink
+from rd2h.sink import Sink
 from rd2h.source import DecodeEndpoint
 from rd2h.tracking import TerminalState
 
@@ -65,7 +65,7 @@ def test_chunked_prefill_announces_each_block_once(kv_port: int) -> None:
             source.send_all({"r": tokens})
         assert source.wait_finished(["r"], 10)["r"].ok
         sink.wait(["r"], 10)
-        stats = sink.runtime.counters.stats
+        stats = sink.counters.stats
     assert [s.nbytes // (256 + 128 + 64 + 8) for s in stats] == [1, 2, 2]  # blocks read per step
     assert _same(dst["l"], src["l"], list(range(10, 15)), [0, 1, 2, 3, 4])
 
@@ -89,7 +89,7 @@ def test_slot_gate_holds_a_reused_buffer_until_decode_read_it(kv_port: int) -> N
         listener = plugins.load_channel("zmq").listen(f"tcp://127.0.0.1:{kv_port}")
         sink = Sink(rank=0, tp_size=1, engine=engine, listener=listener,
                     layers={n: layer_layout(t) for n, t in dst.items()})
-        sink.expect("r", Destinations.of([7]))
+        sink.expect("r", [7])
         with sink.start():
             source.wait_for_layer_send("l1", timeout=10)  # released by Decode's reply
             assert _same(dst["l0"], src["l0"], [7], [5])
