@@ -40,6 +40,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -47,7 +48,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from rd2h.errors import BackendUnavailableError, ConfigError, RD2HError, RegionError, TransferError
+from rd2h.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    PeerGoneError,
+    RD2HError,
+    RegionError,
+    TransferError,
+)
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.testing.peer import GAP, PeerProcess, load_engine
 
@@ -103,6 +111,15 @@ def _assert_bytes(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
         raise AssertionError(
             f"{what}: {len(bad)} bytes differ, first at offset {bad[0]} "
             f"(got {actual[bad[0]]:#04x}, expected {expected[bad[0]]:#04x})"
+        )
+
+
+def _prefer_peer_gone(exc: BaseException, when: str) -> None:
+    if not isinstance(exc, PeerGoneError):
+        warnings.warn(
+            f"{when}: the engine raised {type(exc).__name__}; PeerGoneError would let callers "
+            "tell a dead peer from other failures",
+            stacklevel=2,
         )
 
 
@@ -365,6 +382,7 @@ class EngineConformance:
         fresh_peer.kill()
         exc, took = _within(self.failure_bound_s, lambda: self.read(reader, session, fresh_peer, descs))
         assert isinstance(exc, TransferError), f"read from a dead peer should raise TransferError, got {exc!r}"
+        _prefer_peer_gone(exc, "read from a killed peer")
 
         def connect_and_read() -> None:
             self.read(reader, reader.engine.connect(fresh_peer.metadata), fresh_peer, descs)
@@ -399,6 +417,7 @@ class EngineConformance:
         exc, when = outcome[0]  # type: ignore[misc]
         assert isinstance(exc, TransferError), f"expected TransferError after the kill, got {exc!r}"
         assert when - killed < self.failure_bound_s
+        _prefer_peer_gone(exc, "peer killed during reads")
 
     def test_concurrent_reads(self, reader: Reader, session: Session, peer: PeerProcess) -> None:
         self.require("concurrent_reads")
