@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 
-def _engine_option(text: str) -> tuple[str, object]:
+def engine_option(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -35,7 +35,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="chunked prefill: tokens per step")
     parser.add_argument("--slots", type=int, default=2, help="physical Prefill buffers reused across layers")
     parser.add_argument("--engine", default="local", help="transfer engine (see `rd2h backends`)")
-    parser.add_argument("--engine-option", type=_engine_option, action="append", default=[],
+    parser.add_argument("--engine-option", type=engine_option, action="append", default=[],
                         metavar="KEY=VALUE", help="an engine option (repeatable)")
     parser.add_argument("--kv-port", type=int, default=5600, help="Decode base port (default 5600)")
     parser.add_argument("--seed", type=int, default=0)
