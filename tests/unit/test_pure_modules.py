@@ -1,4 +1,4 @@
-"""The pure modules (protocol, topology, layout, tracking) import no transport, framework or
+"""The pure modules (protocol, topology, layout, regions, tracking, chunking) import no transport, framework or
 backend: they hold the logic and must stay testable and importable without sockets or devices.
 
 Checked twice: statically, by reading each file's imports (including ``importlib``/``__import__``
@@ -19,8 +19,8 @@ import pytest
 import rd2h
 
 PACKAGE = Path(rd2h.__file__).parent
-REQUIRED = ["protocol"]  # must exist
-OPTIONAL = ["topology", "layout", "tracking"]  # checked once they exist
+REQUIRED = ["protocol", "topology", "layout", "tracking", "regions", "chunking"]  # must exist
+OPTIONAL: list[str] = []  # checked once they exist
 
 FORBIDDEN_TOP = {"zmq", "torch", "torch_npu", "vllm", "memfabric_hybrid", "stevedore"}
 # I/O from the standard library: checked in the source only (a dependency may load them)
