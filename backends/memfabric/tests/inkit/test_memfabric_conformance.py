@@ -23,6 +23,7 @@ def _free_port() -> int:
 STORE_URL = f"tcp://127.0.0.1:{_free_port()}"
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # e.g. a dead peer reported as a plain TransferError
 class TestMemFabricConformance(EngineConformance):
     engine_name = "memfabric"
     skip_if_unavailable = False  # the runner starts this under the kit: unavailable is a failure
