@@ -13,6 +13,7 @@ and if it is still stuck then the native engine is left as it is and the process
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import importlib.util
 import itertools
@@ -206,17 +207,11 @@ def acquire(config: Config, start_store: bool, timeout: float) -> Native:
         return _native
 
 
-def _bounded(
-    mf: ModuleType,
-    what: str,
-    fn: Callable[[], Any],
-    timeout: float,
-    on_stuck: Callable[[threading.Thread], None] | None = None,
-) -> tuple[Any, str]:
+def _bounded(mf: ModuleType, what: str, fn: Callable[[], Any], timeout: float) -> tuple[Any, str]:
     """Run ``fn`` in a thread of its own; its result and memfabric's error text for it.
 
-    Raises ``TransferTimeout`` after ``timeout`` seconds (the thread is handed to
-    ``on_stuck``) and ``TransferError`` when ``fn`` raises.
+    Raises ``TransferTimeout`` after ``timeout`` seconds (the thread runs on: a native call
+    cannot be cancelled) and ``TransferError`` when ``fn`` raises.
     """
     out: list[Any] = []
     mark = _errors.now()
@@ -235,8 +230,6 @@ def _bounded(
     t.start()
     t.join(timeout)
     if t.is_alive():
-        if on_stuck is not None:
-            on_stuck(t)
         raise TransferTimeout(f"memfabric {what} did not return within {timeout} s")
     result = out[0]
     if isinstance(result, BaseException):
@@ -275,11 +268,12 @@ class Native:
         self.mf = mf
         self.config = config
         self.refs = 1
-        self._lock = threading.Lock()  # guards _stuck
+        self._idle = threading.Condition()  # notified when a call leaves memfabric
+        self._active = 0  # calls inside memfabric now, overrunning ones included
+        self._closing = False
         self._reg_lock = threading.Lock()  # one registration change at a time
         self._registered: dict[int, int] = {}  # addr -> length, as memfabric holds them
         self._wanted: dict[int, list[tuple[int, int]]] = {}  # handle id -> its regions
-        self._stuck: set[threading.Thread] = set()
         op = mf.TransferEngine.TransDataOpType
         data_op = {"host_tcp": op(HOST_TCP), "sdma": op.SDMA, "device_rdma": op.DEVICE_RDMA}[config.data_op]
         self.te = mf.TransferEngine()
@@ -302,13 +296,21 @@ class Native:
         self.session_id = f"{config.hostname}:{self.te.get_rpc_port() if port == 0 else port}"
 
     def call(self, what: str, fn: Callable[[], Any], timeout: float) -> tuple[Any, str]:
-        with self._lock:
-            self._stuck = {t for t in self._stuck if t.is_alive()}
-        return _bounded(self.mf, what, fn, timeout, on_stuck=self._remember)
+        """``fn`` (a call into memfabric) run bounded, counted until it really returns."""
+        with self._idle:
+            if self._closing:
+                raise TransferError("the memfabric engine is closed")
+            self._active += 1
 
-    def _remember(self, t: threading.Thread) -> None:
-        with self._lock:
-            self._stuck.add(t)
+        def counted() -> Any:
+            try:
+                return fn()
+            finally:
+                with self._idle:
+                    self._active -= 1
+                    self._idle.notify_all()
+
+        return _bounded(self.mf, what, counted, timeout)
 
     def set_regions(self, owner: int, regions: list[tuple[int, int]], timeout: float) -> None:
         """Make ``owner``'s regions ``regions``; memfabric gets the merged union of all owners."""
@@ -322,14 +324,12 @@ class Native:
             add = [(a, n) for a, n in target.items() if self._registered.get(a) != n]
             # Merged ranges replace the pieces they cover (memfabric refuses overlaps).
             for addr in drop:
-                ret, text = self.call("unregister_memory", lambda a=addr: self.te.unregister_memory(a), timeout)
+                ret, text = self.call("unregister_memory", functools.partial(self.te.unregister_memory, addr), timeout)
                 if ret != 0:
                     raise TransferError(f"memfabric unregister_memory({addr:#x}) failed ({ret}): {text}")
                 del self._registered[addr]
             for addr, length in add:
-                ret, text = self.call(
-                    "register_memory", lambda a=addr, n=length: self.te.register_memory(a, n), timeout
-                )
+                ret, text = self.call("register_memory", functools.partial(self.te.register_memory, addr, length), timeout)
                 if ret != 0:
                     raise TransferError(f"memfabric register_memory({addr:#x}, {length}) failed ({ret}): {text}")
                 self._registered[addr] = length
@@ -355,15 +355,14 @@ class Native:
                 _native = None
             if self.config.role == "prefill":
                 _prefill_closed = True
-            with self._lock:
-                stuck = list(self._stuck)
-            for t in stuck:  # never uninitialize under a call still inside memfabric
-                t.join(timeout)
-            if any(t.is_alive() for t in stuck):
+            with self._idle:  # no new calls; never uninitialize under one still inside memfabric
+                self._closing = True
+                idle = self._idle.wait_for(lambda: self._active == 0, timeout)
+            if not idle:
                 _wedged = f"a memfabric call did not return within {timeout} s, so the engine was not closed"
             else:
                 try:
-                    self.call("unInitialize", self.te.unInitialize, timeout)
+                    _bounded(self.mf, "unInitialize", self.te.unInitialize, timeout)
                 except TransferError as exc:
                     _wedged = f"closing the engine failed: {exc}"
             if _wedged:

@@ -194,3 +194,29 @@ def test_close_after_peer_is_gone_is_bounded(how: str) -> None:
     )
     assert out["gone"][0] == "PeerGoneError", out
     assert out["close_took"] < 16, out  # CLOSE_GRACE_S, then the engine is given up on
+
+
+def test_a_call_stuck_past_close_wedges_the_process_not_the_caller() -> None:
+    out = scenario(
+        """
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        e = engine("decode", timeout=2.0)
+        e.register([Region(dst.ctypes.data, dst.nbytes)])
+        with peer() as p:
+            s = e.connect(p.metadata)
+            one = arrays([dst.ctypes.data], [p.regions[0][0]], [4096])
+            e.read_batch(s, *one)
+            os.kill(p.pid, signal.SIGSTOP)
+            first = error(lambda: e.read_batch(s, *one))
+            t = time.monotonic()
+            e.close()  # the stuck read is still inside memfabric: close gives up after its grace
+            close_took = time.monotonic() - t
+            again = error(lambda: engine("decode"))
+            os.kill(p.pid, signal.SIGCONT)
+        out = {"first": first, "close_took": close_took, "again": again}
+        """
+    )
+    assert out["first"][0] == "TransferTimeout", out
+    assert 14 < out["close_took"] < 18, out  # CLOSE_GRACE_S
+    kind, text = out["again"]
+    assert kind == "TransferError" and "restart the process" in text, out
