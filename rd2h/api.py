@@ -20,7 +20,8 @@ dimension 0 indexes blocks and each tensor must be contiguous.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,16 @@ def layer_layout(tensors: LayerTensors) -> LayerLayout:
     )
 
 
+@contextlib.contextmanager
+def _closed_on_error(resource: Any) -> Iterator[None]:
+    """Close ``resource`` if the block raises: a failed constructor leaks no port or engine."""
+    try:
+        yield
+    except BaseException:
+        resource.close()
+        raise
+
+
 def _layouts(layers: Mapping[str, LayerTensors | LayerLayout]) -> dict[str, LayerLayout]:
     return {name: t if isinstance(t, LayerLayout) else layer_layout(t) for name, t in layers.items()}
 
@@ -140,19 +151,19 @@ class KVSink(Sink):
         accept_legacy: bool = False,
     ) -> None:
         ports = decode_ports(kv_port, dp_rank, tp_size)  # validates the highest port too
+        if not 0 <= rank < tp_size:
+            raise ConfigError(f"rank {rank} outside 0..{tp_size - 1}")
         self.endpoint = DecodeEndpoint(host, base_port(kv_port, dp_rank, tp_size), tp_size)
         transfer = plugins.load_engine(engine, "decode", **dict(engine_options or {}))
-        try:
+        with _closed_on_error(transfer):
             listener = plugins.load_channel(channel, **dict(channel_options or {})).listen(
                 f"tcp://{host}:{ports[rank]}"
             )
-        except BaseException:
-            transfer.close()
-            raise
-        super().__init__(
-            rank=rank, tp_size=tp_size, engine=transfer, listener=listener,
-            layers=_layouts(layers), accept_legacy=accept_legacy,
-        )
+            with _closed_on_error(listener):
+                super().__init__(
+                    rank=rank, tp_size=tp_size, engine=transfer, listener=listener,
+                    layers=_layouts(layers), accept_legacy=accept_legacy,
+                )
         self.start()
 
 
@@ -174,13 +185,11 @@ class KVSource(Source):
         reply_timeout: float = 30.0,
     ) -> None:
         transfer = plugins.load_engine(engine, "prefill", **dict(engine_options or {}))
-        try:
+        with _closed_on_error(transfer):
             dialer = plugins.load_channel(channel, **dict(channel_options or {})).dialer()
-        except BaseException:
-            transfer.close()
-            raise
-        super().__init__(
-            rank=rank, tp_size=tp_size, engine=transfer, dialer=dialer, layers=_layouts(layers),
-            block_size=block_size, last_layer=last_layer, reply_timeout=reply_timeout,
-        )
+            with _closed_on_error(dialer):
+                super().__init__(
+                    rank=rank, tp_size=tp_size, engine=transfer, dialer=dialer, layers=_layouts(layers),
+                    block_size=block_size, last_layer=last_layer, reply_timeout=reply_timeout,
+                )
         self.start()

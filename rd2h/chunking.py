@@ -56,8 +56,8 @@ class ChunkPlanner:
         """Blocks the whole prompt occupies, the partial last one included."""
         return -(-self._progress(ext_id).num_tokens // self.block_size)
 
-    def advance(self, ext_id: str, computed_tokens: int) -> Chunk:
-        """The chunk made ready once ``computed_tokens`` prompt tokens are in the cache."""
+    def peek(self, ext_id: str, computed_tokens: int) -> Chunk:
+        """The chunk ``advance`` would return, without recording it. Raises like ``advance``."""
         progress = self._progress(ext_id)
         if progress.final_sent:
             raise ConfigError(f"request {ext_id!r}: its final chunk was already announced")
@@ -72,9 +72,14 @@ class ChunkPlanner:
                 f"request {ext_id!r}: computed_tokens went back ({computed_tokens} tokens after "
                 f"{progress.announced} blocks were announced)"
             )
-        chunk = Chunk(progress.announced, ready, final)
-        progress.announced = ready
-        progress.final_sent = final
+        return Chunk(progress.announced, ready, final)
+
+    def advance(self, ext_id: str, computed_tokens: int) -> Chunk:
+        """The chunk made ready once ``computed_tokens`` prompt tokens are in the cache."""
+        chunk = self.peek(ext_id, computed_tokens)
+        progress = self._requests[ext_id]
+        progress.announced = chunk.hi
+        progress.final_sent = chunk.final
         return chunk
 
     def forget(self, ext_id: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from rd2h.interfaces import Listener, Region, Session, TransferEngine
 from rd2h.layout import LayerLayout, LayerPlan, PlanBuilder, RequestRead
 from rd2h.regions import RegionSet
 from rd2h.topology import indexer_share, main_share
+from rd2h.coverage import CoverageTracker
 from rd2h.tracking import ContributorTracker, RequestState, RequestTracker, TerminalState
 
 __all__ = ["Destinations", "LayerStat", "Sink", "plan_reads"]
@@ -107,6 +109,10 @@ def plan_reads(
     return reads, refused
 
 
+def _chunk_key(req: protocol.ReadRequest) -> tuple[int, int, int, int]:
+    return (req.main_start_block, len(req.main_block_ids), req.indexer_start_block, len(req.indexer_block_ids))
+
+
 def _summarize(refused: Mapping[str, str], shown: int = 4) -> str:
     """One error text for a READ_FAILED that names several requests: each with its reason."""
     parts = [f"{ext_id!r}: {reason}" for ext_id, reason in list(refused.items())[:shown]]
@@ -128,7 +134,8 @@ class _Counters:
     bytes_read: int = 0
     layers_read: int = 0
     malformed: int = 0
-    stats: list[LayerStat] = field(default_factory=list)
+    read_seconds: float = 0.0
+    stats: deque[LayerStat] = field(default_factory=lambda: deque(maxlen=1 << 16))  # the latest layers
 
 
 class Sink:
@@ -166,8 +173,10 @@ class Sink:
         self._destinations: dict[str, Destinations] = {}
         self._requests = RequestTracker()
         self._contributors = ContributorTracker()
+        self._coverage = CoverageTracker(self._layers)
         self._lock = threading.Lock()  # guards destinations and trackers (user vs loop thread)
         self._changed = threading.Condition(self._lock)
+        self._reading: frozenset[str] = frozenset()  # requests whose destinations a read may write
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.counters = _Counters()
@@ -193,19 +202,26 @@ class Sink:
             self._destinations[ext_id] = destinations
 
     def abort(self, ext_id: str) -> None:
-        """Stop writing into ``ext_id``'s destinations; it is still reported terminal."""
+        """Stop writing into ``ext_id``'s destinations; it is still reported terminal.
+
+        Returns once no read into them is in flight, so the blocks may be reused at once.
+        """
         with self._changed:
             self._requests.abort(ext_id)
             self._destinations.pop(ext_id, None)
             self._changed.notify_all()
+            while ext_id in self._reading:  # bounded: the engine bounds every read
+                self._changed.wait(1.0)
 
     def take_terminal(self) -> dict[str, TerminalState]:
         """Requests that became terminal on this rank since the last call."""
         with self._lock:
             taken = self._requests.take_terminal()
-            for ext_id in taken:
+            for ext_id in taken:  # reported once: keep nothing, so the id may be expected again
                 self._destinations.pop(ext_id, None)
                 self._contributors.forget(ext_id)
+                self._coverage.forget(ext_id)
+                self._requests.forget(ext_id)
             return taken
 
     def wait(self, ext_ids: Sequence[str], timeout: float) -> dict[str, TerminalState]:
@@ -233,7 +249,9 @@ class Sink:
         """Stop the loop, then close the listener and the engine. Idempotent."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(self._poll + 60.0)  # one message in hand: a read is bounded by the engine
+            if self._thread.is_alive():
+                log.error("rank %d: loop did not stop; closing under it", self.rank)
             self._thread = None
         for peer in self._peers.values():
             peer.session.close()
@@ -303,6 +321,24 @@ class Sink:
             return
         with self._lock:
             readable = {e: self._destinations[e] for e in ext_ids if self._readable(e)}
+            self._reading = frozenset(readable)
+        try:
+            self._read_layer(identity, batch, peer, src, dst, readable, started)
+        finally:
+            with self._changed:
+                self._reading = frozenset()
+                self._changed.notify_all()
+
+    def _read_layer(
+        self,
+        identity: bytes,
+        batch: protocol.ReadReadyBatch,
+        peer: _Peer,
+        src: LayerLayout,
+        dst: LayerLayout,
+        readable: dict[str, Destinations],
+        started: float,
+    ) -> None:
         reads, refused = plan_reads(batch, readable, decode_rank=self.rank, decode_tp=self.tp_size)
         try:
             plan = self._plans.build(
@@ -338,23 +374,32 @@ class Sink:
         except RD2HError as exc:
             refused.update({e: f"read failed: {exc}" for e in plan.requests})
             return time.perf_counter() - started
+        seconds = time.perf_counter() - started
         self.counters.bytes_read += plan.nbytes
         self.counters.layers_read += 1
-        return time.perf_counter() - started
+        self.counters.read_seconds += seconds
+        return seconds
 
     def _finish(self, batch: protocol.ReadReadyBatch, plan: LayerPlan, refused: dict[str, str]) -> None:
+        member = batch.group_member_idx
+        chunks = {r.ext_req_id: _chunk_key(r) for r in batch.read_reqs}
         with self._changed:
             for ext_id in plan.requests:
                 if ext_id not in refused:
                     self._requests.on_layer_read(ext_id)
+                    self._coverage.record(ext_id, member, batch.layer_name, chunks[ext_id])
             for ext_id, reason in refused.items():
                 if ext_id in self._requests:
                     self._requests.on_failed(ext_id, reason)
             for ext_id in batch.done_ext_ids:
                 if ext_id not in self._requests:
                     continue
+                gap = self._coverage.missing(ext_id, member)
+                if gap is not None:  # the final signal claims more than was read
+                    self._requests.on_failed(ext_id, gap)
+                    continue
                 try:
-                    complete = self._contributors.record_final(ext_id, batch.group_member_idx, batch.tp_ratio)
+                    complete = self._contributors.record_final(ext_id, member, batch.tp_ratio)
                 except StateError as exc:
                     self._requests.on_failed(ext_id, str(exc))
                     continue

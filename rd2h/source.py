@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -97,6 +97,16 @@ class _Step:
     final_ids: tuple[str, ...]
 
 
+@dataclass(slots=True)
+class _Sent:
+    """A readiness awaiting its reply from one endpoint."""
+
+    frame: bytes
+    ext_ids: tuple[str, ...]
+    at: float  # monotonic time it was sent
+    resent: bool = False  # repeated once after META_REQUIRED
+
+
 @dataclass(frozen=True, slots=True)
 class _Task:
     layer_idx: int
@@ -157,9 +167,7 @@ class Source:
         # sender-thread state
         self._meta_sent: set[str] = set()
         self._dead: dict[str, str] = {}  # address -> why; skipped until a new request names it
-        self._awaiting: dict[str, deque[tuple[int, float]]] = {}
-        self._in_flight: dict[tuple[str, int], bytes] = {}  # readiness frames not yet answered
-        self._resent: set[tuple[str, int]] = set()
+        self._in_flight: dict[str, dict[int, _Sent]] = {}  # per endpoint, oldest first
         self._final_layers: dict[int, tuple[str, ...]] = {}
         # shared with the user thread
         self._lock = threading.Condition()
@@ -169,7 +177,7 @@ class Source:
         self._thread: threading.Thread | None = None
         self._claimed_at: dict[int, float] = {}
         self.stray_replies = 0
-        self.layer_seconds: list[float] = []  # per announced layer: layer_ready -> last reply
+        self.layer_seconds: deque[float] = deque(maxlen=1 << 16)  # layer_ready -> last reply
 
     # -- compute path --------------------------------------------------------------------
 
@@ -212,11 +220,13 @@ class Source:
         Every following ``layer_ready`` announces, per request, the blocks that became
         complete in this step (the final chunk includes its partial last block).
         """
+        # check every request before recording any, so a bad one leaves the step unchanged
+        chunks = {ext_id: (self._request(ext_id), self._planner.peek(ext_id, tokens))
+                  for ext_id, tokens in computed_tokens.items()}
         by_address: dict[str, _Announcement] = {}
         final_ids: list[str] = []
-        for ext_id, tokens in computed_tokens.items():
-            request = self._request(ext_id)
-            chunk = self._planner.advance(ext_id, tokens)
+        for ext_id, (request, chunk) in chunks.items():
+            self._planner.advance(ext_id, computed_tokens[ext_id])
             read = protocol.ReadRequest(
                 ext_id,
                 tuple(request.main_ids[chunk.lo : chunk.hi].tolist()),
@@ -283,12 +293,23 @@ class Source:
             self._planner.forget(ext_id)
         return found
 
+    def abort(self, ext_id: str) -> None:
+        """Forget ``ext_id``: it is announced no more (layers already queued still go out)."""
+        self._requests.pop(ext_id, None)
+        self._planner.forget(ext_id)
+        with self._lock:
+            self._errors.pop(ext_id, None)
+            self._results.pop(ext_id, None)
+
     def close(self) -> None:
-        """Stop the sender (after the queued layers are sent), close dialer and engine."""
+        """Stop the sender once the queued layers are announced and answered (each bounded
+        by the reply timeout), then close the dialer and the engine. Idempotent."""
         if self._thread is not None:
             self._queue.put(_STOP)
             self._dialer.wakeup()
-            self._thread.join()
+            self._thread.join(self._reply_timeout * 2 + 5.0)
+            if self._thread.is_alive():
+                log.error("Prefill rank %d: sender did not stop; closing under it", self.rank)
             self._thread = None
         self._dialer.close()
         self._engine.close()
@@ -330,52 +351,54 @@ class Source:
             if task is _STOP:
                 self._drain_replies()
                 return
-            if task is not None:
-                try:
-                    self._send(task)  # type: ignore[arg-type]
-                except Exception as exc:  # the compute path must hear of it, not hang
-                    log.exception("Prefill rank %d: could not announce a layer", self.rank)
-                    self._gate.fail_layer(task.layer_idx, f"announce failed: {exc}")  # type: ignore[union-attr]
-                continue
-            item = self._dialer.recv(self._poll)
-            if item is not None:
-                self._on_reply(*item)
-            self._abandon_silent()
+            try:
+                if task is not None:
+                    self._announce(task)  # type: ignore[arg-type]
+                else:
+                    item = self._dialer.recv(self._poll)
+                    if item is not None:
+                        self._on_reply(*item)
+                self._abandon_silent()
+            except Exception:  # the loop must outlive any one failure, or every wait times out
+                log.exception("Prefill rank %d: sender error", self.rank)
 
-    def _send(self, task: _Task) -> None:
-        if task.event is not None:
-            task.event.synchronize()
+    def _announce(self, task: _Task) -> None:
         step = task.step
         last = task.layer_idx == self._last_idx
         if last and step.final_ids:
             self._final_layers[task.layer_idx] = step.final_ids
+        try:
+            if task.event is not None:
+                task.event.synchronize()
+        except Exception as exc:  # nothing was announced: fail the layer's requests, free its slots
+            error = f"layer {task.layer_name!r} could not be announced: {exc}"
+            log.error("Prefill rank %d: %s", self.rank, error)
+            self._fail_requests((r.ext_req_id for a in step.by_address.values() for r in a.reads), error)
+            if self._gate.fail_layer(task.layer_idx, error):
+                self._layer_released(task.layer_idx)
+            return
         while not self._revive.empty():
             for address in self._revive.get():
                 self._dead.pop(address, None)
         live = {a: ann for a, ann in step.by_address.items() if a not in self._dead}
-        with self._lock:
-            for address in step.by_address.keys() - live.keys():
-                for read in step.by_address[address].reads:
-                    self._errors.setdefault(read.ext_req_id, self._dead[address])
+        for address in step.by_address.keys() - live.keys():
+            self._fail_requests((r.ext_req_id for r in step.by_address[address].reads), self._dead[address])
         if self._gate.sent(task.layer_idx, live):
             self._layer_released(task.layer_idx)
-        now = time.monotonic()
         for address, ann in live.items():
-            if address not in self._meta_sent:
-                self._dialer.send(address, self._meta_frame)  # pipelined: ZMQ keeps the order
-                self._meta_sent.add(address)
             batch = protocol.ReadReadyBatch(
-                task.layer_idx,
-                task.layer_name,
-                tuple(ann.reads),
-                tuple(ann.done) if last else (),
-                ann.member,
-                ann.ratio,
+                task.layer_idx, task.layer_name, tuple(ann.reads), tuple(ann.done) if last else (),
+                ann.member, ann.ratio,
             )
-            frame = protocol.encode(batch)
-            self._awaiting.setdefault(address, deque()).append((task.layer_idx, now))
-            self._in_flight[address, task.layer_idx] = frame
-            self._dialer.send(address, frame)
+            sent = _Sent(protocol.encode(batch), tuple(r.ext_req_id for r in ann.reads), time.monotonic())
+            self._in_flight.setdefault(address, {})[task.layer_idx] = sent
+            try:
+                if address not in self._meta_sent:
+                    self._dialer.send(address, self._meta_frame)  # pipelined: ZMQ keeps the order
+                    self._meta_sent.add(address)
+                self._dialer.send(address, sent.frame)
+            except RD2HError as exc:  # this endpoint missed the layer; the others did not
+                self._settle(address, task.layer_idx, f"{address}: could not send: {exc}", layer_wide=True)
 
     def _on_reply(self, address: str, frame: bytes) -> None:
         try:
@@ -385,45 +408,48 @@ class Source:
             return
         if isinstance(reply, protocol.Ack):
             return
-        if isinstance(reply, protocol.ReadFailed) and reply.needs_meta and self._resend(address, reply.layer_idx):
-            return
-        self._in_flight.pop((address, reply.layer_idx), None)
-        self._resent.discard((address, reply.layer_idx))
-        pending = self._awaiting.get(address)
-        if pending:
-            try:
-                pending.remove(next(p for p in pending if p[0] == reply.layer_idx))
-            except StopIteration:
-                self.stray_replies += 1
-        error: str | None = None
         if isinstance(reply, protocol.ReadFailed):
-            error = self._on_failed(address, reply)
-        if self._gate.replied(reply.layer_idx, address, error):
-            self._layer_released(reply.layer_idx)
+            if reply.needs_meta:
+                self._meta_sent.discard(address)  # a restarted Decode: introduce ourselves again
+                if self._resend(address, reply.layer_idx):
+                    return
+            error = f"{address}: {reply.error}"
+            if reply.failed_ext_ids:  # isolated: the neighbours were read, the compute path goes on
+                self._fail_requests(reply.failed_ext_ids, error)
+                self._settle(address, reply.layer_idx, None)
+            else:
+                self._settle(address, reply.layer_idx, error, layer_wide=True)
+        else:
+            self._settle(address, reply.layer_idx, None)
+
+    def _settle(self, address: str, layer_idx: int, error: str | None, *, layer_wide: bool = False) -> None:
+        """``address`` answered (or can no longer answer) for ``layer_idx``."""
+        sent = self._in_flight.get(address, {}).pop(layer_idx, None)
+        if sent is None:
+            self.stray_replies += 1
+            return
+        if layer_wide and error is not None:
+            self._fail_requests(sent.ext_ids, error)
+        if self._gate.replied(layer_idx, address, error if layer_wide else None):
+            self._layer_released(layer_idx)
 
     def _resend(self, address: str, layer_idx: int) -> bool:
         """A restarted Decode asked who we are: introduce ourselves and repeat the readiness
         it refused (it read nothing). Once per layer, so a Decode that refuses our mf_meta
         fails the layer instead of looping."""
-        frame = self._in_flight.get((address, layer_idx))
-        if frame is None or (address, layer_idx) in self._resent:
+        sent = self._in_flight.get(address, {}).get(layer_idx)
+        if sent is None or sent.resent:
             return False
-        self._resent.add((address, layer_idx))
+        sent.resent = True
         self._dialer.send(address, self._meta_frame)
         self._meta_sent.add(address)
-        self._dialer.send(address, frame)
+        self._dialer.send(address, sent.frame)
         return True
 
-    def _on_failed(self, address: str, reply: protocol.ReadFailed) -> str | None:
-        """Record per-request failures; return an error only for a layer-wide failure."""
-        if reply.needs_meta:
-            self._meta_sent.discard(address)  # a restarted Decode: introduce ourselves again
+    def _fail_requests(self, ext_ids: Iterable[str], error: str) -> None:
         with self._lock:
-            for ext_id in reply.failed_ext_ids:
-                self._errors.setdefault(ext_id, f"{address}: {reply.error}")
-        if reply.failed_ext_ids:
-            return None  # isolated: the neighbours were read, the compute path goes on
-        return f"{address}: {reply.error}"
+            for ext_id in ext_ids:
+                self._errors.setdefault(ext_id, error)
 
     def _layer_released(self, layer_idx: int) -> None:
         claimed = self._claimed_at.pop(layer_idx, None)
@@ -434,32 +460,29 @@ class Source:
             return
         with self._lock:
             for ext_id in final_ids:
-                self._results[ext_id] = SendResult(ext_id, self._errors.pop(ext_id, None))
+                error = self._errors.pop(ext_id, None)
+                if ext_id in self._requests:  # not aborted meanwhile
+                    self._results[ext_id] = SendResult(ext_id, error)
             self._lock.notify_all()
 
     def _abandon_silent(self) -> None:
+        """Give up on endpoints whose oldest readiness went unanswered for reply_timeout."""
         now = time.monotonic()
-        for address, pending in list(self._awaiting.items()):
-            if pending and now - pending[0][1] > self._reply_timeout:
-                error = f"Decode {address} did not reply within {self._reply_timeout:.1f}s"
-                log.error("Prefill rank %d: %s; abandoning it", self.rank, error)
-                with self._lock:
-                    for layer_idx, _ in pending:
-                        for ext_id in self._final_layers.get(layer_idx, ()):
-                            self._errors.setdefault(ext_id, error)
-                for layer_idx, _ in pending:
-                    self._in_flight.pop((address, layer_idx), None)
-                pending.clear()
-                self._dead[address] = error
-                self._meta_sent.discard(address)
-                self._dialer.disconnect(address)
-                for layer_idx in self._gate.abandon(address, error):
-                    self._layer_released(layer_idx)
+        for address, pending in self._in_flight.items():
+            if not pending or now - next(iter(pending.values())).at <= self._reply_timeout:
+                continue
+            error = f"Decode {address} did not reply within {self._reply_timeout:.1f}s"
+            log.error("Prefill rank %d: %s; abandoning it", self.rank, error)
+            self._dead[address] = error
+            self._meta_sent.discard(address)
+            self._dialer.disconnect(address)
+            for layer_idx in list(pending):
+                self._settle(address, layer_idx, error, layer_wide=True)
 
     def _drain_replies(self) -> None:
         """On close: wait (bounded) for the replies still owed, so Decode finishes its reads."""
         deadline = time.monotonic() + self._reply_timeout
-        while any(self._awaiting.values()) and time.monotonic() < deadline:
+        while any(self._in_flight.values()) and time.monotonic() < deadline:
             item = self._dialer.recv(self._poll)
             if item is not None:
                 self._on_reply(*item)

@@ -134,7 +134,10 @@ def _decode(config: DemoConfig, rank: int, shm_name: str, events: Any, go: Any) 
     try:
         return _decode_into(config, rank, shm.buf, events, go)
     finally:
-        shm.close()  # every view into it died with _decode_into's frame
+        try:
+            shm.close()  # on success every view into it died with _decode_into's frame
+        except BufferError:  # a traceback holds views: the mapping goes with the process
+            pass
 
 
 def _decode_into(config: DemoConfig, rank: int, pool: memoryview, events: Any, go: Any) -> dict[str, Any]:

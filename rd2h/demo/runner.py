@@ -108,7 +108,10 @@ def run_demo(config: DemoConfig, progress: Callable[[int, int], None] | None = N
         for child in children.values():
             if child.pid is not None:
                 child.join(5)
-        pool.close()
+        try:
+            pool.close()
+        except BufferError:  # a traceback still holds views into it; unlinking frees it anyway
+            pass
         pool.unlink()
 
 
@@ -125,6 +128,7 @@ def _supervise(
     results: dict[tuple[str, int], dict[str, Any]] = {}
     errors: dict[tuple[str, int], str] = {}
     done_layers = 0
+    silent_since: dict[tuple[str, int], float] = {}
     deadline = time.monotonic() + config.timeout + 60.0  # start-up included
     while len(results) < len(children):
         try:
@@ -144,8 +148,13 @@ def _supervise(
         elif kind == "error":
             errors[role, rank] = payload
         for key, child in children.items():
-            if key not in results and child.exitcode not in (None, 0):
+            if key in results or child.exitcode is None:
+                continue
+            if child.exitcode != 0:
                 raise DemoFailed(_death_message(key, child.exitcode, errors.get(key)))
+            silent_since.setdefault(key, time.monotonic())
+            if time.monotonic() - silent_since[key] > 5.0:  # its result should long have arrived
+                raise DemoFailed(f"{key[0]} rank {key[1]} exited without reporting a result")
         if time.monotonic() > deadline:
             waiting = sorted(f"{r} rank {n}" for r, n in children.keys() - results.keys())
             raise DemoFailed(f"timed out after {config.timeout:.0f}s waiting for {', '.join(waiting)}")

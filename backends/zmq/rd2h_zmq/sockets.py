@@ -300,6 +300,8 @@ class ZmqDialer(Dialer):
 
     def wakeup(self) -> None:
         """Make a ``recv`` blocked in another thread return ``None`` now. Thread-safe."""
+        if self._closed:  # the pipe's fd numbers may already belong to another file
+            return
         try:
             os.write(self._wake_w, b"\0")
         except (BlockingIOError, OSError):  # the pipe is full (a wakeup is pending) or closed
