@@ -25,6 +25,7 @@ from rd2h.errors import (
     TransferError,
     TransferTimeout,
 )
+from rd2h.engine_support import check_read_arrays
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.regions import RegionSet
 from rd2h_local import _iov, _metadata, _sys
@@ -237,7 +238,7 @@ class LocalEngine(TransferEngine):
             raise TransferError(f"not a local-engine session: {type(session).__name__}")
         if session.closed:
             raise PeerGoneError(f"the session to {session.peer_id} is closed")
-        if _check_shapes(local_addrs, remote_addrs, lengths) == 0:
+        if check_read_arrays(local_addrs, remote_addrs, lengths, positive_lengths=False) == 0:
             return
         # Both sides are checked before a descriptor is built: nothing is copied on failure.
         if not (
@@ -319,21 +320,6 @@ class LocalEngine(TransferEngine):
         return self
 
 
-_INT64 = np.dtype(np.int64)
-
-
-def _check_shapes(local_addrs: Int64Array, remote_addrs: Int64Array, lengths: Int64Array) -> int:
-    """The batch size; ``TransferError`` unless all three are 1-d int64 arrays of one length."""
-    for name, a in (("local_addrs", local_addrs), ("remote_addrs", remote_addrs), ("lengths", lengths)):
-        if not (isinstance(a, np.ndarray) and a.dtype == _INT64 and a.ndim == 1):
-            what = f"{a.dtype} array of {a.ndim} dims" if isinstance(a, np.ndarray) else type(a).__name__
-            raise TransferError(f"{name} must be a 1-d numpy int64 array, got {what}")
-    n = len(lengths)
-    if len(local_addrs) != n or len(remote_addrs) != n:
-        raise TransferError(
-            f"arrays differ in length: local_addrs {len(local_addrs)}, remote_addrs {len(remote_addrs)}, lengths {n}"
-        )
-    return n
 
 
 def _as_regions(bounds: RegionSet) -> tuple[Region, ...]:

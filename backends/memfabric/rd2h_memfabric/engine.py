@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rd2h.errors import ConfigError, PeerGoneError, PortError, TransferError, TransferTimeout
+from rd2h.engine_support import check_read_arrays
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.regions import RegionSet
 from rd2h_memfabric import _metadata, _native
@@ -211,7 +212,7 @@ class MemFabricEngine(TransferEngine):
             raise TransferError(f"the session to {session.peer_id} is closed")
         if session.broken:
             raise PeerGoneError(f"the session to {session.peer_id} is unusable: {session.broken}; connect again")
-        n = _check_arrays(local_addrs, remote_addrs, lengths)
+        n = check_read_arrays(local_addrs, remote_addrs, lengths)
         if n == 0:
             return
         # memfabric checks neither side (it reads outside the peer's registrations and writes
@@ -245,17 +246,3 @@ class MemFabricEngine(TransferEngine):
     def __repr__(self) -> str:
         state = "closed" if self._closed else self.session_id
         return f"<MemFabricEngine {self.role} {self.data_op} {state} pid={os.getpid()}>"
-
-
-def _check_arrays(local_addrs: Int64Array, remote_addrs: Int64Array, lengths: Int64Array) -> int:
-    for name, a in (("local_addrs", local_addrs), ("remote_addrs", remote_addrs), ("lengths", lengths)):
-        if not (isinstance(a, np.ndarray) and a.dtype == np.int64 and a.ndim == 1):
-            raise TransferError(f"{name} must be a 1-d numpy int64 array, got {type(a).__name__}")
-    n = len(lengths)
-    if len(local_addrs) != n or len(remote_addrs) != n:
-        raise TransferError(
-            f"arrays differ in length: local_addrs {len(local_addrs)}, remote_addrs {len(remote_addrs)}, lengths {n}"
-        )
-    if n and int(lengths.min()) <= 0:
-        raise TransferError(f"every length must be > 0 (found {int(lengths.min())})")
-    return n

@@ -1,0 +1,104 @@
+"""Helpers every transfer engine needs, so backends do not each write them again.
+
+- ``MetadataEnvelope``: the blob ``register`` returns and ``connect`` parses, as a tagged,
+  versioned msgpack array whose parsing raises ``TransferError`` naming the bad field;
+- ``check_read_arrays``: the argument checks ``read_batch`` owes its callers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from rd2h.errors import TransferError
+
+__all__ = ["MetadataEnvelope", "check_read_arrays"]
+
+_INT64 = np.dtype(np.int64)
+_INT64_MAX = (1 << 63) - 1
+_MAX_BLOB = 16 << 20  # far above any real registration; refuses absurd input early
+
+
+@dataclass(frozen=True)
+class MetadataEnvelope:
+    """``(magic, version, *fields)`` in msgpack, for one engine's registration metadata."""
+
+    engine: str  # named in error messages, e.g. "local" for "the local engine"
+    magic: bytes
+    version: int
+
+    def pack(self, *fields: Any) -> bytes:
+        return msgpack.packb((self.magic, self.version, *fields), use_bin_type=True)
+
+    def malformed(self, what: str) -> TransferError:
+        return TransferError(f"malformed {self.engine}-engine metadata: {what}")
+
+    def unpack(self, blob: object, fields: int) -> list[Any]:
+        """The ``fields`` fields after magic and version (extra trailing fields are ignored).
+
+        Raises TransferError for anything else: not bytes, too big, not msgpack, another
+        engine's blob, another version, too few fields.
+        """
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise self.malformed(f"expected bytes, got {type(blob).__name__}")
+        if len(blob) > _MAX_BLOB:
+            raise self.malformed(f"{len(blob)} bytes is more than any registration")
+        try:
+            msg = msgpack.unpackb(blob, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:  # msgpack raises several unrelated types on garbage
+            raise self.malformed(f"not msgpack ({type(exc).__name__})") from None
+        if not isinstance(msg, list) or len(msg) < 2 + fields:
+            raise self.malformed(f"expected an array of at least {2 + fields} fields")
+        if msg[0] != self.magic:
+            raise self.malformed(f"not produced by the {self.engine} engine (tag {msg[0]!r:.40})")
+        if msg[1] != self.version:
+            raise self.malformed(f"version {msg[1]!r:.20}; this engine speaks {self.version}")
+        return msg[2 : 2 + fields]
+
+    def integer(self, value: object, field: str) -> int:
+        """A non-negative integer field."""
+        if type(value) is not int or value < 0:
+            raise self.malformed(f"{field} must be a non-negative integer, got {value!r:.60}")
+        return value
+
+    def regions(self, raw: object) -> list[tuple[int, int]]:
+        """A list of ``(addr, length)`` pairs, each non-empty and inside int64 addresses."""
+        if not isinstance(raw, list):
+            raise self.malformed("regions must be an array")
+        regions = []
+        for i, item in enumerate(raw):
+            if not (isinstance(item, list) and len(item) == 2):
+                raise self.malformed(f"region {i} must be an (addr, length) pair")
+            addr = self.integer(item[0], f"region {i} addr")
+            length = self.integer(item[1], f"region {i} length")
+            if not length or addr + length > _INT64_MAX:
+                raise self.malformed(f"region {i} ({addr:#x}+{length}) is empty or beyond the address space")
+            regions.append((addr, length))
+        return regions
+
+
+def check_read_arrays(
+    local_addrs: npt.NDArray[np.int64],
+    remote_addrs: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+    *,
+    positive_lengths: bool = True,
+) -> int:
+    """The number of descriptors; TransferError unless three equal-length 1-D int64 arrays
+    (with every length positive, unless the caller checks that on its own fast path)."""
+    for name, a in (("local_addrs", local_addrs), ("remote_addrs", remote_addrs), ("lengths", lengths)):
+        if not (isinstance(a, np.ndarray) and a.dtype == _INT64 and a.ndim == 1):
+            what = f"{a.dtype} array of {a.ndim} dims" if isinstance(a, np.ndarray) else type(a).__name__
+            raise TransferError(f"{name} must be a 1-d numpy int64 array, got {what}")
+    n = len(lengths)
+    if len(local_addrs) != n or len(remote_addrs) != n:
+        raise TransferError(
+            f"arrays differ in length: local_addrs {len(local_addrs)}, remote_addrs {len(remote_addrs)}, lengths {n}"
+        )
+    if positive_lengths and n and int(lengths.min()) <= 0:
+        raise TransferError(f"every length must be > 0 (found {int(lengths.min())})")
+    return n

@@ -1,0 +1,52 @@
+"""Shared engine helpers: the metadata envelope refuses anything but its own blob, naming why."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from rd2h.engine_support import MetadataEnvelope, check_read_arrays
+from rd2h.errors import TransferError
+
+ENV = MetadataEnvelope("toy", b"rd2h-toy", 3)
+
+
+def test_round_trip_ignores_appended_fields() -> None:
+    blob = msgpack.packb((b"rd2h-toy", 3, "peer", [[4096, 10]], "a later field"), use_bin_type=True)
+    peer, regions = ENV.unpack(blob, 2)
+    assert peer == "peer" and ENV.regions(regions) == [(4096, 10)]
+    assert ENV.unpack(ENV.pack("x", []), 2) == ["x", []]
+
+
+@pytest.mark.parametrize(
+    ("blob", "why"),
+    [
+        ("text", "expected bytes"),
+        (b"\xc1", "not msgpack"),
+        (msgpack.packb((b"rd2h-toy", 3)), "at least 4 fields"),
+        (msgpack.packb((b"other", 3, 1, 2)), "not produced by the toy engine"),
+        (msgpack.packb((b"rd2h-toy", 4, 1, 2)), "version 4"),
+    ],
+)
+def test_foreign_blobs_are_refused(blob: object, why: str) -> None:
+    with pytest.raises(TransferError, match=f"malformed toy-engine metadata: .*{why}"):
+        ENV.unpack(blob, 2)
+
+
+@pytest.mark.parametrize("raw", [None, [[1]], [[-1, 5]], [[0, 0]], [[2**63 - 2, 5]], [["a", 1]]])
+def test_bad_regions_are_refused(raw: object) -> None:
+    with pytest.raises(TransferError, match="region"):
+        ENV.regions(raw)
+
+
+def test_read_arrays_are_checked() -> None:
+    ok = np.zeros(3, np.int64)
+    assert check_read_arrays(ok, ok, np.ones(3, np.int64)) == 3
+    with pytest.raises(TransferError, match="int64"):
+        check_read_arrays(ok.astype(np.int32), ok, ok)
+    with pytest.raises(TransferError, match="differ in length"):
+        check_read_arrays(ok, ok[:2], ok)
+    with pytest.raises(TransferError, match="> 0"):
+        check_read_arrays(ok, ok, ok)
+    assert check_read_arrays(ok, ok, ok, positive_lengths=False) == 3
