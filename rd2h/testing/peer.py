@@ -4,8 +4,8 @@ Run as ``python -m rd2h.testing.peer --engine NAME --role prefill --options JSON
 --sizes 4194304,1048576 --seed 7``. It builds the engine by name, maps one block of
 memory, fills it with a known pattern, registers the regions (with one unregistered page
 before, between and after them, so an engine that skips its region check reads mapped
-but foreign bytes and the test sees it), prints one JSON line (pid, session id, regions,
-base64 metadata) and then waits: a line ``exit`` or the end of stdin ends it.
+but foreign bytes and the test sees it), prints one line ``rd2h-peer: {json}`` (pid, session
+id, regions, base64 metadata) and then waits: a line ``exit`` or the end of stdin ends it.
 
 ``PeerProcess`` is the parent's handle on such a process.
 """
@@ -31,6 +31,7 @@ import numpy as np
 
 __all__ = ["PeerProcess", "pattern", "load_engine", "GAP", "GAP_BYTE"]
 
+HELLO = "rd2h-peer: "  # marks our line: native libraries may print to stdout too
 GAP = mmap.PAGESIZE  # unregistered bytes around every region
 GAP_BYTE = 0xE5  # what the unregistered bytes hold
 
@@ -75,7 +76,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         "regions": [[r.addr, r.length] for r in regions],
         "metadata": base64.b64encode(metadata).decode("ascii"),
     }
-    sys.stdout.write(json.dumps(hello) + "\n")
+    sys.stdout.write(HELLO + json.dumps(hello) + "\n")
     sys.stdout.flush()
     for line in sys.stdin:
         if line.strip() == "exit":
@@ -115,7 +116,7 @@ class PeerProcess:
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env={**os.environ, **(env or {})}
         )
         try:
-            hello = json.loads(self._first_line(timeout))
+            hello = json.loads(self._hello_line(timeout))
         except BaseException:
             self.kill()
             raise
@@ -125,12 +126,18 @@ class PeerProcess:
         self.metadata: bytes = base64.b64decode(hello["metadata"])
         self._patterns: dict[int, np.ndarray] = {}
 
-    def _first_line(self, timeout: float) -> bytes:
+    def _hello_line(self, timeout: float) -> bytes:
+        """The peer's marked line, skipping whatever else it printed first."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout
         buf = b""
-        while not buf.endswith(b"\n"):
+        marker = HELLO.encode()
+        while True:
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if line.startswith(marker):
+                    return line[len(marker) :]
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 raise RuntimeError(f"peer did not start within {timeout} s; stderr:\n{self.stderr()}")
@@ -139,7 +146,6 @@ class PeerProcess:
                 self.proc.wait(timeout=5)
                 raise RuntimeError(f"peer exited with {self.proc.returncode}; stderr:\n{self.stderr()}")
             buf += chunk
-        return buf
 
     def stderr(self) -> str:
         self._stderr.seek(0)
