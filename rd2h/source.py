@@ -35,7 +35,7 @@ from rd2h.interfaces import Dialer, Region, TransferEngine
 from rd2h.layout import LayerLayout
 from rd2h.regions import RegionSet
 from rd2h.topology import Topology, remote_port
-from rd2h.tracking import SlotGate
+from rd2h.slots import SlotGate
 
 __all__ = ["DecodeEndpoint", "Source", "SendResult"]
 

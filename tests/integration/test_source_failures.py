@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from rd2h.api import KVSink, KVSource, LayerTensors
-from rd2h.errors import ConfigError
 from rd2h.tracking import TerminalState
 
 BLOCK = 16

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
 
 from rd2h.errors import BackendUnavailableError, ConfigError, PortError, TransferError
