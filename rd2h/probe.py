@@ -15,6 +15,7 @@ waiting for it (``os._exit``), as the command does.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -206,10 +207,14 @@ class _Probe:
             raise ConfigError(f"transfer engine {c.engine!r} cannot be built with these options: {exc}") from exc
         try:
             peer = self.peer = PeerProcess(
-                c.engine, sizes=c.region_sizes, seed=c.seed, role="prefill", options=c.prefill_options, timeout=c.timeout
+                c.engine, role="prefill", options=c.prefill_options,
+                sizes=c.region_sizes, seed=c.seed, timeout=c.timeout,
             )
         except RuntimeError as exc:
             raise _Failed(f"the source process failed to register: {_first_and_last_line(str(exc))}") from None
+        except ValueError as exc:  # its first line was not the hello: a native library printed first
+            said = exc.doc if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise _Failed(f"the source process printed {said.strip()[:300]!r} instead of its metadata") from None
         if not peer.metadata or len(peer.regions) != len(c.region_sizes):
             raise _Failed(f"the source published {len(peer.metadata)} B of metadata for {len(peer.regions)} regions")
         self.dest = np.empty(c.size, np.uint8)
@@ -230,7 +235,8 @@ class _Probe:
             raise _Failed(f"the session names peer {session.peer_id!r}, the source is {peer.session_id!r}")
         covered = [any(r.addr <= a and a + n <= r.end for r in session.peer_regions) for a, n in peer.regions]
         if not all(covered):
-            raise _Failed(f"the session's regions miss source region(s) {[i for i, ok in enumerate(covered) if not ok]}")
+            missed = [i for i, ok in enumerate(covered) if not ok]
+            raise _Failed(f"the session's regions miss source region(s) {missed}")
         return f"session to {session.peer_id} covers all {len(peer.regions)} source regions"
 
     def single_read(self) -> str:
