@@ -5,32 +5,22 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
+from layers import layer_tensors
 
 from rd2h import plugins
-from rd2h.api import KVSource, LayerTensors, layer_layout
+from rd2h.api import KVSource, layer_layout
 from rd2h.errors import LayerFailedError
 from rd2h.sink import LayerStat, Sink
 from rd2h.source import DecodeEndpoint
 from rd2h.tracking import TerminalState
 
 BLOCK = 16
-NB = 8
-
-
-def _t(fill: bool, seed: int = 0) -> LayerTensors:
-    rng = np.random.default_rng(seed)
-
-    def make(w: int) -> np.ndarray:
-        return rng.integers(1, 255, (NB, w), dtype=np.uint8) if fill else np.zeros((NB, w), np.uint8)
-
-    return LayerTensors(main=[make(64)], indexer=make(16))
 
 
 def test_revived_endpoint_does_not_complete_a_request_with_a_missing_layer(kv_port: int) -> None:
     names = [f"l{i}" for i in range(4)]
-    src = {n: _t(True, i) for i, n in enumerate(names)}
-    dst = {n: _t(False) for n in names}
+    src = {n: layer_tensors(True, i) for i, n in enumerate(names)}
+    dst = {n: layer_tensors(False) for n in names}
     stalled = []
 
     def on_layer(stat: LayerStat) -> None:  # Decode stalls once (GC pause, slow read, ...)

@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
+from layers import layer_tensors
 
 from rd2h import plugins
-from rd2h.api import KVSink, KVSource, LayerTensors, layer_layout
+from rd2h.api import KVSink, KVSource, layer_layout
 from rd2h.sink import Sink
 from rd2h.tracking import TerminalState
 
 BLOCK = 16
-NB = 8
-
-
-def _t(fill: bool, seed: int = 0) -> LayerTensors:
-    rng = np.random.default_rng(seed)
-
-    def make(w: int) -> np.ndarray:
-        return rng.integers(1, 255, (NB, w), dtype=np.uint8) if fill else np.zeros((NB, w), np.uint8)
-
-    return LayerTensors(main=[make(64)], indexer=make(16))
 
 
 class _PausingEngine:
@@ -45,7 +35,7 @@ def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -
     """abort() -> take_terminal() reports ABORTED (vLLM frees and reuses the blocks) while the
     loop thread is inside read_batch for that request; the read then writes into blocks that
     no longer belong to it."""
-    src, dst = {"l": _t(True)}, {"l": _t(False)}
+    src, dst = {"l": layer_tensors(True)}, {"l": layer_tensors(False)}
     engine = _PausingEngine(plugins.load_engine("local", "decode"))
     listener = plugins.load_channel("zmq").listen(f"tcp://127.0.0.1:{kv_port}")
     sink = Sink(rank=0, tp_size=1, engine=engine, listener=listener, layers={"l": layer_layout(dst["l"])})
@@ -68,7 +58,7 @@ def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -
 def test_failed_sink_constructor_frees_the_port(kv_port: int) -> None:
     """KVSink binds the listener, then Sink.__init__ raises (here rank=-1 passes ports[rank]);
     neither the listener nor the engine is closed, so the port stays taken in this process."""
-    layers = {"l": _t(False)}
+    layers = {"l": layer_tensors(False)}
     with pytest.raises(Exception) as info:
         KVSink(layers, rank=-1, tp_size=2, kv_port=kv_port)
     # the caller still holds the exception (a log record, a retry loop's last error...)

@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from layers import layer_tensors
 
-from rd2h.api import KVSink, KVSource, LayerTensors
+from rd2h.api import KVSink, KVSource
 from rd2h.tracking import TerminalState
 
 BLOCK = 16
-NB = 8
-
-
-def _t(fill: bool, seed: int = 0) -> LayerTensors:
-    rng = np.random.default_rng(seed)
-
-    def make(w: int) -> np.ndarray:
-        return rng.integers(1, 255, (NB, w), dtype=np.uint8) if fill else np.zeros((NB, w), np.uint8)
-
-    return LayerTensors(main=[make(64)], indexer=make(16))
 
 
 class _BrokenEvent:
@@ -31,8 +21,8 @@ class _BrokenEvent:
 def test_a_layer_that_was_never_announced_fails_the_request(kv_port: int) -> None:
     """Layer l1's event failed, so it was never announced: both sides must say so (Prefill
     records the error; Decode's coverage check refuses to call the request DONE)."""
-    src = {f"l{i}": _t(True, i) for i in range(3)}
-    dst = {f"l{i}": _t(False) for i in range(3)}
+    src = {f"l{i}": layer_tensors(True, i) for i in range(3)}
+    dst = {f"l{i}": layer_tensors(False) for i in range(3)}
     with KVSink(dst, kv_port=kv_port) as sink, KVSource(src, block_size=BLOCK) as source:
         sink.expect("r", main_blocks=[5, 6])
         source.add_request("r", sink.endpoint, main_block_ids=[1, 2], num_tokens=2 * BLOCK)
@@ -52,8 +42,8 @@ def test_a_layer_that_was_never_announced_fails_the_request(kv_port: int) -> Non
 
 def test_a_failed_last_layer_still_finishes_the_request_as_failed(kv_port: int) -> None:
     """The last layer's event fails: the request still gets its (failed) SendResult."""
-    src = {f"l{i}": _t(True, i) for i in range(2)}
-    dst = {f"l{i}": _t(False) for i in range(2)}
+    src = {f"l{i}": layer_tensors(True, i) for i in range(2)}
+    dst = {f"l{i}": layer_tensors(False) for i in range(2)}
     with KVSink(dst, kv_port=kv_port) as sink, KVSource(src, block_size=BLOCK) as source:
         sink.expect("r", main_blocks=[5])
         source.add_request("r", sink.endpoint, main_block_ids=[1], num_tokens=BLOCK)
@@ -68,7 +58,7 @@ def test_a_failed_last_layer_still_finishes_the_request_as_failed(kv_port: int) 
 
 def test_schedule_is_atomic(kv_port: int) -> None:
     """A schedule() that raises for one request changes nothing for the others."""
-    src, dst = {"l": _t(True)}, {"l": _t(False)}
+    src, dst = {"l": layer_tensors(True)}, {"l": layer_tensors(False)}
     with KVSink(dst, kv_port=kv_port) as sink, KVSource(src, block_size=BLOCK) as source:
         sink.expect("a", main_blocks=[3, 4])
         source.add_request("a", sink.endpoint, main_block_ids=[1, 2], num_tokens=2 * BLOCK)
