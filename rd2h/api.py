@@ -21,9 +21,13 @@ dimension 0 indexes blocks and each tensor must be contiguous.
 from __future__ import annotations
 
 import contextlib
+import logging
+import mmap
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from rd2h import plugins
 from rd2h.errors import ConfigError
@@ -43,7 +47,15 @@ __all__ = [
     "tensor_layout",
     "layer_layout",
     "record_event",
+    "host_buffer",
 ]
+
+log = logging.getLogger("rd2h.api")
+
+# Copies into or out of memory that is not 64-byte aligned run at about half speed (measured
+# with process_vm_readv here: 2.3-2.5 GB/s at a 16-byte offset, 4-5 GB/s at 0 or 64). numpy
+# aligns large arrays to 16 bytes only; torch to 64.
+_ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
@@ -73,9 +85,29 @@ def tensor_layout(tensor: Any, block_size_scale: int = 1) -> TensorLayout:
         raise ConfigError(f"expected a torch tensor or numpy array, got {type(tensor).__name__}")
     if tensor.ndim < 1 or tensor.shape[0] == 0 or nbytes == 0:
         raise ConfigError(f"tensor of shape {tuple(tensor.shape)} has no blocks")
+    if addr % _ALIGNMENT:
+        log.warning(
+            "tensor at %#x is not %d-byte aligned: transfers into or out of it run at about half "
+            "speed; allocate it with rd2h.api.host_buffer (or torch)", addr, _ALIGNMENT,
+        )
     num_blocks = int(tensor.shape[0])
     block_rows = num_blocks * block_size_scale
     return TensorLayout(addr, nbytes // block_rows, num_blocks, block_size_scale)
+
+
+def host_buffer(shape: int | tuple[int, ...], dtype: Any = np.uint8) -> np.ndarray:
+    """A zeroed, page-aligned host array with every page already faulted in.
+
+    For destinations and sources on the host: page alignment keeps copies at full speed
+    (numpy's own arrays are only 16-byte aligned), and pre-faulting keeps first-touch page
+    faults out of the first transfer. The memory lives as long as the array.
+    """
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    nbytes = max(count * dtype.itemsize, 1)
+    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    array[:: mmap.PAGESIZE] = 0  # a write per page: faulted in, still zero
+    return array[: count * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def record_event(tensor: Any) -> Any | None:

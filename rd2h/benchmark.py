@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from rd2h import plugins
+from rd2h.api import host_buffer
 from rd2h.interfaces import Region
 from rd2h.testing.peer import PeerProcess
 
@@ -62,8 +63,8 @@ def _median_rate(nbytes: int, run: Callable[[], None], repeat: int) -> tuple[flo
 
 def measure_memcpy(config: BenchConfig, threads: int) -> BenchRow:
     """memmove of ``layers`` x one layer's bytes, split over ``threads`` threads."""
-    src = np.ones(config.layer_bytes, np.uint8)
-    dst = np.zeros(config.layer_bytes, np.uint8)
+    src = host_buffer(config.layer_bytes)
+    dst = host_buffer(config.layer_bytes)
     part = config.layer_bytes // threads
     with ThreadPoolExecutor(threads) as pool:
 
@@ -97,8 +98,7 @@ def measure_engine(
                      options=options.get("prefill", {}), env=env) as peer:
         engine = plugins.load_engine(name, "decode", **dict(options.get("decode", {})))
         try:
-            dst = np.zeros(config.layer_bytes, np.uint8)  # np.zeros is lazy: touch every page
-            dst.fill(1)
+            dst = host_buffer(config.layer_bytes)  # page-aligned and pre-faulted, as a real pool
             engine.register([Region(dst.ctypes.data, dst.nbytes)])
             session = engine.connect(peer.metadata)
             base = peer.regions[0][0]

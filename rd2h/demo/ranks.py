@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.api import KVSink, KVSource, LayerTensors
+from rd2h.api import KVSink, KVSource, LayerTensors, host_buffer
 from rd2h.chunking import ChunkPlanner
 from rd2h.demo.workload import INDEXER, MAIN_TENSORS, SCALE, DemoConfig, TensorSpec, Workload, pattern
 from rd2h.source import DecodeEndpoint
@@ -71,7 +71,7 @@ def _prefill(config: DemoConfig, rank: int, events: Any, go: Any) -> dict[str, A
     work = Workload.build(config)
     specs = (*MAIN_TENSORS, INDEXER, SCALE)
     slots = [
-        [np.zeros((work.src_pool_blocks, config.block_bytes(s)), np.uint8) for s in specs]
+        [host_buffer((work.src_pool_blocks, config.block_bytes(s))) for s in specs]
         for _ in range(config.slots)
     ]
     layers = {
@@ -143,12 +143,12 @@ def _decode(config: DemoConfig, rank: int, shm_name: str, events: Any, go: Any) 
 def _decode_into(config: DemoConfig, rank: int, pool: memoryview, events: Any, go: Any) -> dict[str, Any]:
     work = Workload.build(config)
     main = main_pool_views(pool, config, work.dst_pool_blocks)
-    local = [
-        [np.zeros((work.dst_pool_blocks, config.block_bytes(s)), np.uint8) for s in (INDEXER, SCALE)]
+    local = [  # rank-local: page-aligned and pre-faulted
+        [host_buffer((work.dst_pool_blocks, config.block_bytes(s))) for s in (INDEXER, SCALE)]
         for _ in range(config.layers)
     ]
-    for arr in [a for layer in main + local for a in layer]:
-        arr.fill(0)  # pre-fault: first-touch page faults would halve the read bandwidth
+    for view in [v for layer in main for v in layer]:
+        view.fill(0)  # pre-fault our mapping of the shared pool: first-touch faults halve the bandwidth
     layers = {
         config.layer_name(i): LayerTensors(main=main[i], indexer=local[i][0], scale=local[i][1])
         for i in range(config.layers)

@@ -48,3 +48,25 @@ def test_record_event_on_cpu_is_already_complete() -> None:
 
     assert record_event(torch.zeros(2)) is None
     assert record_event(np.zeros(2)) is None
+
+
+def test_host_buffer_is_page_aligned_zeroed_and_typed() -> None:
+    import mmap
+
+    from rd2h.api import host_buffer
+
+    buf = host_buffer((16, 4096), np.uint16)
+    assert buf.shape == (16, 4096) and buf.dtype == np.uint16 and not buf.any()
+    assert buf.ctypes.data % mmap.PAGESIZE == 0 and buf.flags.c_contiguous and buf.flags.writeable
+
+
+def test_a_misaligned_tensor_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    raw = np.zeros(4096 + 16, np.uint8)
+    misaligned = raw[(-raw.ctypes.data) % 64 + 16 :][:4096].reshape(4, 1024)
+    with caplog.at_level("WARNING", logger="rd2h.api"):
+        tensor_layout(misaligned)
+    assert "not 64-byte aligned" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rd2h.api"):
+        tensor_layout(torch.zeros(4, 1024, dtype=torch.uint8))
+    assert caplog.text == ""
