@@ -178,7 +178,9 @@ class GateTimeout(RD2HError, TimeoutError):
 
 
 class LayerFailedError(RD2HError):
-    """A Decode endpoint answered READ_FAILED for a layer; raised where Prefill waits."""
+    """A layer failed as a whole: a Decode endpoint never replied, answered a READ_FAILED that
+    names no request, or the layer could not be announced. Raised where Prefill waits on the
+    layer's storage slot. (A READ_FAILED naming requests fails only those requests.)"""
 
 
 class StateError(RD2HError):

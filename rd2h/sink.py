@@ -215,7 +215,9 @@ class Sink:
 
     def take_terminal(self) -> dict[str, TerminalState]:
         """Requests that became terminal on this rank since the last call."""
-        with self._lock:
+        with self._changed:
+            while any(self._requests.state(e) is RequestState.ABORTED for e in self._reading if e in self._requests):
+                self._changed.wait(1.0)  # an aborted request is reported only once no read writes it
             taken = self._requests.take_terminal()
             for ext_id in taken:  # reported once: keep nothing, so the id may be expected again
                 self._destinations.pop(ext_id, None)
@@ -349,8 +351,10 @@ class Sink:
             return
         refused.update({e: str(err) for e, err in plan.failed.items()})
         read_seconds = self._read(peer, plan, refused)
-        self._finish(batch, plan, refused)
-        self._reply(identity, batch, refused)
+        try:
+            self._finish(batch, plan, refused)
+        finally:  # whatever happened to our bookkeeping, Prefill gets its one reply
+            self._reply(identity, batch, refused)
         stat = LayerStat(
             batch.layer_idx, plan.nbytes if plan.requests else 0, len(plan),
             read_seconds, time.perf_counter() - started, len(refused),
@@ -385,7 +389,7 @@ class Sink:
         chunks = {r.ext_req_id: _chunk_key(r) for r in batch.read_reqs}
         with self._changed:
             for ext_id in plan.requests:
-                if ext_id not in refused:
+                if ext_id not in refused and ext_id in self._requests:  # not taken meanwhile
                     self._requests.on_layer_read(ext_id)
                     self._coverage.record(ext_id, member, batch.layer_name, chunks[ext_id])
             for ext_id, reason in refused.items():

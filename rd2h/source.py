@@ -73,7 +73,6 @@ class SendResult:
 
 @dataclass(slots=True)
 class _Request:
-    endpoint: DecodeEndpoint
     main_ids: np.ndarray
     indexer_ids: np.ndarray
     addresses: tuple[str, ...]  # the Decode ranks this Prefill rank announces to
@@ -211,7 +210,7 @@ class Source:
         addresses = tuple(decode.address(d) for d in topology.decode_ranks_of(self.rank))
         self._revive.put(addresses)
         self._requests[ext_id] = _Request(
-            decode, main_ids, index_ids, addresses, topology.member_of(self.rank), topology.ratio
+            main_ids, index_ids, addresses, topology.member_of(self.rank), topology.ratio
         )
 
     def schedule(self, computed_tokens: Mapping[str, int]) -> None:

@@ -10,6 +10,7 @@ from layers import layer_tensors
 from rd2h import plugins
 from rd2h.api import KVSink, KVSource, layer_layout
 from rd2h.sink import Sink
+from rd2h.source import DecodeEndpoint
 from rd2h.tracking import TerminalState
 
 BLOCK = 16
@@ -32,37 +33,46 @@ class _PausingEngine:
 
 
 def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -> None:
-    """abort() -> take_terminal() reports ABORTED (vLLM frees and reuses the blocks) while the
-    loop thread is inside read_batch for that request; the read then writes into blocks that
-    no longer belong to it."""
+    """A read into a request's blocks is in flight when vLLM aborts it: abort() (and a
+    take_terminal() on another thread) must wait for the read, since vLLM reuses the blocks
+    as soon as the abort is reported; and Prefill still gets its reply."""
     src, dst = {"l": layer_tensors(True)}, {"l": layer_tensors(False)}
     engine = _PausingEngine(plugins.load_engine("local", "decode"))
     listener = plugins.load_channel("zmq").listen(f"tcp://127.0.0.1:{kv_port}")
     sink = Sink(rank=0, tp_size=1, engine=engine, listener=listener, layers={"l": layer_layout(dst["l"])})
     sink.expect("r", [5])
     with sink.start(), KVSource(src, block_size=BLOCK) as source:
-        from rd2h.source import DecodeEndpoint
-
         source.add_request("r", DecodeEndpoint("127.0.0.1", kv_port, 1), main_block_ids=[1], num_tokens=BLOCK)
         source.send_all({"r": BLOCK})
         assert engine.entered.wait(10)
-        sink.abort("r")
-        assert sink.take_terminal() == {"r": TerminalState.ABORTED}
-        # vLLM now frees block 5 and hands it to another request, which zeroes it:
-        dst["l"].main[0][5] = 0
+        aborter = threading.Thread(target=sink.abort, args=("r",))
+        aborter.start()
+        reported: list[dict[str, TerminalState]] = []
+        taker = threading.Thread(target=lambda: reported.append(sink.take_terminal()))
+        taker.start()
+        aborter.join(0.5)
+        taker.join(0.1)
+        assert aborter.is_alive() and taker.is_alive()  # both wait for the read in flight
         engine.go.set()
-        source.wait_finished(["r"], 10)
-    assert not dst["l"].main[0][5].any(), "an aborted (and reported) request's block was written after the report"
+        aborter.join(10)
+        taker.join(10)
+        assert reported == [{"r": TerminalState.ABORTED}]
+        assert dst["l"].main[0][5].any()  # the read finished before the abort was reported
+        result = source.wait_finished(["r"], 10)["r"]  # Prefill got its reply: no timeout
+        assert result.ok
 
 
-def test_failed_sink_constructor_frees_the_port(kv_port: int) -> None:
-    """KVSink binds the listener, then Sink.__init__ raises (here rank=-1 passes ports[rank]);
-    neither the listener nor the engine is closed, so the port stays taken in this process."""
+def test_failed_sink_constructor_frees_the_port(kv_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sink.__init__ fails after KVSink bound the listener: the port must be free again."""
+    import rd2h.sink
+
+    def broken() -> None:
+        raise RuntimeError("constructor failed after the bind")
+
     layers = {"l": layer_tensors(False)}
-    with pytest.raises(Exception) as info:
-        KVSink(layers, rank=-1, tp_size=2, kv_port=kv_port)
-    # the caller still holds the exception (a log record, a retry loop's last error...)
-    kept = info.value  # noqa: F841
-    # rank 1 is the port rank -1 bound
-    sink = KVSink(layers, rank=1, tp_size=2, kv_port=kv_port)
-    sink.close()
+    with monkeypatch.context() as patch:
+        patch.setattr(rd2h.sink, "PlanBuilder", broken)
+        with pytest.raises(RuntimeError, match="after the bind") as info:
+            KVSink(layers, kv_port=kv_port)
+        kept = info.value  # the caller may keep the exception (and its traceback) alive  # noqa: F841
+    KVSink(layers, kv_port=kv_port).close()  # PortInUseError if the first listener leaked
