@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,6 +48,8 @@ __all__ = [
     "encode_layer_metadata",
     "decode_layer_metadata",
     "encode",
+    "pack_read_reqs",
+    "encode_readiness",
     "decode",
     "decode_request",
     "decode_reply",
@@ -523,6 +525,40 @@ def encode(msg: Message) -> bytes:
     else:
         raise TypeError(f"not an rd2h message: {kind.__name__}")
     return msgpack.packb(fields, default=_to_builtin)
+
+
+def pack_read_reqs(read_reqs: Sequence[ReadRequest]) -> bytes:
+    """The ``read_reqs`` field of a readiness, encoded once for :func:`encode_readiness`.
+
+    Prefill announces the same requests for every layer of a step; packing their block ids
+    once per step instead of once per layer keeps the sender off a per-id cost per layer.
+    """
+    for i, req in enumerate(read_reqs):
+        if type(req) is not ReadRequest:
+            raise TypeError(f"read_reqs[{i}]: expected a ReadRequest, got {_kind(req)}")
+    return msgpack.packb(
+        [(r.ext_req_id, r.main_block_ids, r.indexer_block_ids, r.main_start_block, r.indexer_start_block)
+         for r in read_reqs]
+    )
+
+
+def encode_readiness(
+    layer_idx: int,
+    layer_name: str,
+    packed_reqs: bytes,
+    done_ext_ids: Sequence[str] = (),
+    group_member_idx: int = 0,
+    tp_ratio: int = 1,
+) -> bytes:
+    """The same bytes as ``encode(ReadReadyBatch(...))``, from ``pack_read_reqs`` output."""
+    _check_int(layer_idx, "layer_idx")
+    _check_str(layer_name, "layer_name")
+    done = _as_str_tuple(done_ext_ids, "done_ext_ids")
+    _check_int(tp_ratio, "tp_ratio", 1)
+    _check_int(group_member_idx, "group_member_idx", 0, tp_ratio)
+    head = msgpack.packb((_READ_READY_BATCH, layer_idx, layer_name))[1:]  # drop its array header
+    tail = msgpack.packb((done, group_member_idx, tp_ratio))[1:]
+    return b"\x97" + head + packed_reqs + tail  # 0x97: an array of 7 fields
 
 
 def _reject_ext(code: int, data: bytes) -> object:

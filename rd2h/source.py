@@ -88,6 +88,7 @@ class _Announcement:
     ratio: int
     reads: list[protocol.ReadRequest] = field(default_factory=list)
     done: list[str] = field(default_factory=list)
+    packed: bytes = b""  # the reads, encoded once per step for every layer's readiness
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +241,8 @@ class Source:
                     ann.done.append(ext_id)
             if chunk.final:
                 final_ids.append(ext_id)
+        for ann in by_address.values():
+            ann.packed = protocol.pack_read_reqs(ann.reads)
         self._step = _Step(by_address, tuple(final_ids))
 
     def wait_for_layer_send(self, layer_name: str, timeout: float | None = None) -> None:
@@ -385,11 +388,10 @@ class Source:
         if self._gate.sent(task.layer_idx, live):
             self._layer_released(task.layer_idx)
         for address, ann in live.items():
-            batch = protocol.ReadReadyBatch(
-                task.layer_idx, task.layer_name, tuple(ann.reads), tuple(ann.done) if last else (),
-                ann.member, ann.ratio,
+            frame = protocol.encode_readiness(
+                task.layer_idx, task.layer_name, ann.packed, ann.done if last else (), ann.member, ann.ratio
             )
-            sent = _Sent(protocol.encode(batch), tuple(r.ext_req_id for r in ann.reads), time.monotonic())
+            sent = _Sent(frame, tuple(r.ext_req_id for r in ann.reads), time.monotonic())
             self._in_flight.setdefault(address, {})[task.layer_idx] = sent
             try:
                 if address not in self._meta_sent:

@@ -478,3 +478,18 @@ def test_fuzz_layer_metadata_values(layouts: dict[str, LayerLayout], data: st.Da
             continue
         assert p.decode_layer_metadata(p.encode_layer_metadata(decoded)) == decoded
     check_decodes_or_refuses(pack(b"mf_meta", "h", blob, 2, 2))
+
+
+@ROUND
+@given(st.integers(0, 2**31), st.text(min_size=1, max_size=20),
+       st.lists(st.tuples(st.text(min_size=1, max_size=8), st.lists(st.integers(0, 2**40), max_size=40),
+                          st.integers(0, 1000)), max_size=6),
+       st.lists(st.text(min_size=1, max_size=8), max_size=4), st.integers(1, 64), st.data())
+def test_encode_readiness_is_encode_of_the_batch(layer_idx, name, reqs, done, ratio, data) -> None:  # noqa: ANN001
+    """Prefill packs a step's requests once and frames them per layer: same bytes as encode()."""
+    member = data.draw(st.integers(0, ratio - 1))
+    read_reqs = tuple(p.ReadRequest(e, ids, ids[::-1], start, start + 1) for e, ids, start in reqs)
+    batch = p.ReadReadyBatch(layer_idx, name, read_reqs, tuple(done), member, ratio)
+    frame = p.encode_readiness(layer_idx, name, p.pack_read_reqs(read_reqs), tuple(done), member, ratio)
+    assert frame == p.encode(batch)
+    assert p.decode_request(frame) == batch
