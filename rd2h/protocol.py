@@ -20,10 +20,12 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 
 from rd2h.errors import IncompatiblePeerError, RemoteProtocolError
 from rd2h.layout import LayerLayout, TensorLayout
@@ -114,7 +116,7 @@ def _as_str_tuple(value: object, field: str) -> tuple[str, ...]:
     return value  # type: ignore[return-value]
 
 
-def _as_block_ids(value: object, field: str) -> tuple[int, ...]:
+def _as_block_ids(value: object, field: str) -> tuple[tuple[int, ...], array]:
     """Return the ids as a tuple of ints in 0..2**63-1, checked without a Python loop.
 
     array("Q") rejects negative and non-integer items in C; a value of 2**63 or more is
@@ -138,7 +140,15 @@ def _as_block_ids(value: object, field: str) -> tuple[int, ...]:
         raise TypeError(f"{field}: block ids must be integers") from None
     if not packed.tobytes()[_TOP_BYTE::8].isascii():
         raise ValueError(f"{field}: block ids must lie in 0..{_INT_END - 1}")
-    return value  # type: ignore[return-value]
+    return value, packed  # type: ignore[return-value]
+
+
+def _int64_view(packed: array) -> npt.NDArray[np.int64]:
+    if not len(packed):
+        return np.empty(0, dtype=np.int64)
+    view = np.frombuffer(packed, dtype=np.int64)  # every id was checked to be < 2**63
+    view.flags.writeable = False
+    return view
 
 
 def _set(obj: object, name: str, value: object) -> None:
@@ -206,18 +216,34 @@ class ReadRequest:
     indexer_block_ids: tuple[int, ...]
     main_start_block: int = 0
     indexer_start_block: int = 0
+    # the ids as packed uint64, kept from validation so Decode gets int64 arrays without a copy
+    _main_packed: array = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
+    _indexer_packed: array = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         _check_str(self.ext_req_id, "ext_req_id")
         main = self.main_block_ids
         indexer = self.indexer_block_ids
-        _set(self, "main_block_ids", _as_block_ids(main, "main_block_ids"))
+        main_ids, main_packed = _as_block_ids(main, "main_block_ids")
+        _set(self, "main_block_ids", main_ids)
+        _set(self, "_main_packed", main_packed)
         if indexer is main:  # the legacy form shares one list; check it once
-            _set(self, "indexer_block_ids", self.main_block_ids)
+            _set(self, "indexer_block_ids", main_ids)
+            _set(self, "_indexer_packed", main_packed)
         else:
-            _set(self, "indexer_block_ids", _as_block_ids(indexer, "indexer_block_ids"))
+            index_ids, index_packed = _as_block_ids(indexer, "indexer_block_ids")
+            _set(self, "indexer_block_ids", index_ids)
+            _set(self, "_indexer_packed", index_packed)
         _check_int(self.main_start_block, "main_start_block")
         _check_int(self.indexer_start_block, "indexer_start_block")
+
+    def main_ids(self) -> npt.NDArray[np.int64]:
+        """``main_block_ids`` as a read-only int64 array (a view, no copy)."""
+        return _int64_view(self._main_packed)
+
+    def indexer_ids(self) -> npt.NDArray[np.int64]:
+        """``indexer_block_ids`` as a read-only int64 array (a view, no copy)."""
+        return _int64_view(self._indexer_packed)
 
 
 @dataclass(frozen=True, slots=True)

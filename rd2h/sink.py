@@ -103,8 +103,7 @@ def plan_reads(
         except BlockRangeError as exc:
             refused[req.ext_req_id] = str(exc)
             continue
-        src_main = np.array(req.main_block_ids[m_lo:m_hi], dtype=np.int64) if m_hi > m_lo else _EMPTY
-        src_index = np.array(req.indexer_block_ids[i_lo:i_hi], dtype=np.int64) if i_hi > i_lo else _EMPTY
+        src_main, src_index = req.main_ids()[m_lo:m_hi], req.indexer_ids()[i_lo:i_hi]
         reads.append(RequestRead(req.ext_req_id, src_main, dst_main, src_index, dst_index))
     return reads, refused
 
