@@ -77,10 +77,11 @@ def tensor_layout(tensor: Any, block_size_scale: int = 1) -> TensorLayout:
         if not tensor.is_contiguous():
             raise ConfigError("tensor must be contiguous (call .contiguous() once at allocation)")
         addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        device = tensor.device.type
     elif hasattr(tensor, "ctypes"):  # numpy
         if not tensor.flags.c_contiguous:
             raise ConfigError("array must be C-contiguous")
-        addr, nbytes = tensor.ctypes.data, tensor.nbytes
+        addr, nbytes, device = tensor.ctypes.data, tensor.nbytes, "cpu"
     else:
         raise ConfigError(f"expected a torch tensor or numpy array, got {type(tensor).__name__}")
     if tensor.ndim < 1 or tensor.shape[0] == 0 or nbytes == 0:
@@ -92,7 +93,7 @@ def tensor_layout(tensor: Any, block_size_scale: int = 1) -> TensorLayout:
         )
     num_blocks = int(tensor.shape[0])
     block_rows = num_blocks * block_size_scale
-    return TensorLayout(addr, nbytes // block_rows, num_blocks, block_size_scale)
+    return TensorLayout(addr, nbytes // block_rows, num_blocks, block_size_scale, device)
 
 
 def host_buffer(shape: int | tuple[int, ...], dtype: Any = np.uint8) -> np.ndarray:

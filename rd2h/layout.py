@@ -67,6 +67,8 @@ class TensorLayout:
     block_len: int  # bytes per physical block row
     num_blocks: int  # logical block ids 0 .. num_blocks-1 are valid
     block_size_scale: int = 1  # physical rows per logical block id
+    # where the memory is ("cpu", "cuda", "npu"); local to this process, never on the wire
+    device: str = field(default="cpu", compare=False)
 
     def __post_init__(self) -> None:
         for name in ("base_addr", "block_len", "num_blocks", "block_size_scale"):
@@ -127,9 +129,9 @@ class LayerLayout:
         """The tensors in plan order: main tensors, then indexer, then scale."""
         return tuple(t for _, t in self.named_tensors())
 
-    def regions(self, device: str = "cpu") -> tuple[Region, ...]:
-        """One region per non-empty tensor, e.g. to register the layer with an engine."""
-        return tuple(Region(t.base_addr, t.nbytes, device) for t in self.tensors() if t.nbytes > 0)
+    def regions(self) -> tuple[Region, ...]:
+        """One region per non-empty tensor, on its device, e.g. to register with an engine."""
+        return tuple(Region(t.base_addr, t.nbytes, t.device) for t in self.tensors() if t.nbytes > 0)
 
 
 # --------------------------------------------------------------------------- validation

@@ -15,7 +15,7 @@ import numpy.typing as npt
 from rd2h.errors import RegionError
 from rd2h.interfaces import Region
 
-__all__ = ["RegionSet"]
+__all__ = ["RegionSet", "merge_by_device"]
 
 Int64Array = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -140,6 +140,19 @@ class RegionSet:
             f"{what}: {describe_range(int(a[first]), int(n[first]))} is outside the registered "
             f"regions ({len(bad)} of {inside.size} ranges outside)"
         )
+
+
+def merge_by_device(regions: Iterable[Region]) -> list[Region]:
+    """``regions`` with overlapping and adjacent ranges merged, device by device: what a
+    process registers with its engine (layers that share a physical buffer share regions)."""
+    by_device: dict[str, list[Region]] = {}
+    for region in regions:
+        by_device.setdefault(region.device, []).append(region)
+    return [
+        Region(addr, length, device)
+        for device, group in by_device.items()
+        for addr, length in RegionSet(group)
+    ]
 
 
 def describe_range(addr: int, length: int) -> str:

@@ -25,9 +25,9 @@ import numpy as np
 
 from rd2h import protocol
 from rd2h.errors import BlockRangeError, ProtocolError, RD2HError, StateError
-from rd2h.interfaces import Listener, Region, Session, TransferEngine
+from rd2h.interfaces import Listener, Session, TransferEngine
 from rd2h.layout import LayerLayout, LayerPlan, PlanBuilder, RequestRead
-from rd2h.regions import RegionSet
+from rd2h.regions import RegionSet, merge_by_device
 from rd2h.topology import indexer_share, main_share
 from rd2h.coverage import CoverageTracker
 from rd2h.tracking import ContributorTracker, RequestState, RequestTracker, TerminalState
@@ -162,8 +162,9 @@ class Sink:
         self.rank, self.tp_size = rank, tp_size
         self._engine, self._listener = engine, listener
         self._layers = dict(layers)
-        self._regions = RegionSet(r for layout in self._layers.values() for r in layout.regions())
-        self._engine.register([Region(addr, length) for addr, length in self._regions])
+        regions = [r for layout in self._layers.values() for r in layout.regions()]
+        self._regions = RegionSet(regions)  # every destination: no write lands outside it
+        self._engine.register(merge_by_device(regions))
         self._accept_legacy = accept_legacy
         self._poll = poll_seconds
         self._on_layer = on_layer

@@ -31,9 +31,9 @@ import numpy as np
 from rd2h import protocol
 from rd2h.chunking import ChunkPlanner
 from rd2h.errors import ConfigError, ProtocolError, RD2HError, UnknownRequestError
-from rd2h.interfaces import Dialer, Region, TransferEngine
+from rd2h.interfaces import Dialer, TransferEngine
 from rd2h.layout import LayerLayout
-from rd2h.regions import RegionSet
+from rd2h.regions import merge_by_device
 from rd2h.topology import Topology, remote_port
 from rd2h.slots import SlotGate
 
@@ -154,8 +154,7 @@ class Source:
         self._planner = ChunkPlanner(block_size)
         self._reply_timeout = reply_timeout
         self._poll = poll_seconds
-        regions = RegionSet(r for layout in self._layers.values() for r in layout.regions())
-        engine_meta = engine.register([Region(a, n) for a, n in regions])
+        engine_meta = engine.register(merge_by_device(r for layout in self._layers.values() for r in layout.regions()))
         self._meta_frame = protocol.encode(
             protocol.MfMeta.from_layers(engine.session_id, self._layers, engine_metadata=engine_meta)
         )

@@ -70,3 +70,8 @@ def test_a_misaligned_tensor_is_reported(caplog: pytest.LogCaptureFixture) -> No
     with caplog.at_level("WARNING", logger="rd2h.api"):
         tensor_layout(torch.zeros(4, 1024, dtype=torch.uint8))
     assert caplog.text == ""
+
+
+def test_tensor_layout_carries_the_device() -> None:
+    assert tensor_layout(torch.zeros(2, 64)).device == "cpu"
+    assert tensor_layout(np.zeros((2, 64))).device == "cpu"

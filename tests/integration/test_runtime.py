@@ -164,3 +164,24 @@ def test_aborted_request_is_terminal_and_not_written(kv_port: int) -> None:
         source.send_all({"r": BLOCK})
         assert not source.wait_finished(["r"], 10)["r"].ok
     assert _untouched(dst["l"])
+
+
+def test_device_memory_is_refused_by_a_host_only_engine_at_once() -> None:
+    """A tensor on an accelerator reaches the engine with its device: the local engine (host
+    memory only) refuses it when the runtime registers, not with EFAULT at the first read."""
+    from rd2h.errors import TransferError
+    from rd2h.layout import LayerLayout, TensorLayout
+
+    on_gpu = LayerLayout((TensorLayout(0x7F0000000000, 4096, 8, device="cuda"),))
+    with pytest.raises(TransferError, match="cuda"):
+        KVSource({"l": on_gpu}, block_size=BLOCK)
+
+
+def test_merge_by_device_keeps_devices_apart() -> None:
+    from rd2h.interfaces import Region
+    from rd2h.regions import merge_by_device
+
+    merged = merge_by_device([Region(0, 10), Region(10, 5), Region(0, 8, "cuda"), Region(100, 1)])
+    assert sorted(merged, key=lambda r: (r.device, r.addr)) == [
+        Region(0, 15), Region(100, 1), Region(0, 8, "cuda"),
+    ]
