@@ -34,13 +34,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from rd2h.api import host_buffer  # page-aligned and pre-faulted
+
 I64 = np.int64
 
 
 def _serve(size: int) -> None:
     """Child: hold ``size`` bytes of source, registered with a prefill engine, until stdin ends."""
-    from rd2h.interfaces import Region
     from rd2h_local import LocalEngine
+
+    from rd2h.interfaces import Region
 
     memory = mmap.mmap(-1, size)
     src = np.frombuffer(memory, dtype=np.uint64)
@@ -70,12 +73,6 @@ class Source:
         self.proc.wait(timeout=30)
 
 
-def prefaulted(size: int) -> np.ndarray:
-    buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
-    buf[::4096] = 1
-    return buf
-
-
 class Setup:
     """Source, destination and per-layer descriptors shared by every method."""
 
@@ -84,7 +81,7 @@ class Setup:
         self.layer_bytes = blocks * block_len
         self.total = layers * self.layer_bytes
         self.source = Source(self.total)
-        self.dest = prefaulted(self.total)
+        self.dest = host_buffer(self.total)
         self.dest_addr = self.dest.ctypes.data
         rng = np.random.default_rng(seed)
         self.local, self.remote = [], []
@@ -98,7 +95,7 @@ class Setup:
 
     def memcpy_src(self) -> np.ndarray:
         if self._memcpy_src is None:
-            self._memcpy_src = prefaulted(self.total)
+            self._memcpy_src = host_buffer(self.total)
         return self._memcpy_src
 
     def verify(self) -> None:
@@ -157,8 +154,9 @@ def bare_pvr(setup: Setup, threads: int) -> Method:
 
 
 def engine_reads(setup: Setup, threads: int) -> Method:
-    from rd2h.interfaces import Region
     from rd2h_local import LocalEngine
+
+    from rd2h.interfaces import Region
 
     engine = LocalEngine("decode", threads=threads)
     engine.register([Region(setup.dest_addr, setup.total)])
@@ -218,8 +216,9 @@ def measure(setup: Setup, repeat: int, threads: tuple[int, ...] = (1, 2)) -> dic
 def threshold_sweep(setup: Setup, repeat: int) -> dict[int, tuple[float, float]]:
     """GB/s of one ``read_batch`` of N blocks, 1 thread vs 2 threads, by batch size:
     where splitting starts to pay is what ``parallel_threshold_bytes`` should be."""
-    from rd2h.interfaces import Region
     from rd2h_local import LocalEngine
+
+    from rd2h.interfaces import Region
 
     engines = [LocalEngine("decode", threads=t, parallel_threshold_bytes=0) for t in (1, 2)]
     try:

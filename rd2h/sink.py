@@ -24,20 +24,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rd2h import protocol
+from rd2h.coverage import CoverageTracker
 from rd2h.errors import BlockRangeError, ProtocolError, RD2HError, StateError
 from rd2h.interfaces import Listener, Session, TransferEngine
 from rd2h.layout import LayerLayout, LayerPlan, PlanBuilder, RequestRead
 from rd2h.regions import RegionSet, merge_by_device
 from rd2h.topology import indexer_share, main_share
-from rd2h.coverage import CoverageTracker
-from rd2h.tracking import ContributorTracker, RequestState, RequestTracker, TerminalState
+from rd2h.tracking import (
+    ContributorTracker,
+    RequestState,
+    RequestTracker,
+    TerminalState,
+)
 
 __all__ = ["Destinations", "LayerStat", "Sink", "plan_reads"]
 
 log = logging.getLogger("rd2h.sink")
-
-_EMPTY = np.empty(0, dtype=np.int64)
-
 
 @dataclass(frozen=True, slots=True)
 class Destinations:
@@ -352,11 +354,11 @@ class Sink:
         refused.update({e: str(err) for e, err in plan.failed.items()})
         read_seconds = self._read(peer, plan, refused)
         try:
-            self._finish(batch, plan, refused)
+            self._finish(batch, plan.requests, refused)
         finally:  # whatever happened to our bookkeeping, Prefill gets its one reply
             self._reply(identity, batch, refused)
         stat = LayerStat(
-            batch.layer_idx, plan.nbytes if plan.requests else 0, len(plan),
+            batch.layer_idx, plan.nbytes, len(plan),
             read_seconds, time.perf_counter() - started, len(refused),
         )
         self.counters.stats.append(stat)
@@ -384,11 +386,11 @@ class Sink:
         self.counters.read_seconds += seconds
         return seconds
 
-    def _finish(self, batch: protocol.ReadReadyBatch, plan: LayerPlan, refused: dict[str, str]) -> None:
+    def _finish(self, batch: protocol.ReadReadyBatch, read: Sequence[str], refused: dict[str, str]) -> None:
         member = batch.group_member_idx
         chunks = {r.ext_req_id: _chunk_key(r) for r in batch.read_reqs}
         with self._changed:
-            for ext_id in plan.requests:
+            for ext_id in read:
                 if ext_id not in refused and ext_id in self._requests:  # not taken meanwhile
                     self._requests.on_layer_read(ext_id)
                     self._coverage.record(ext_id, member, batch.layer_name, chunks[ext_id])
@@ -414,8 +416,7 @@ class Sink:
     def _fail_layer(self, identity: bytes, batch: protocol.ReadReadyBatch, reason: str) -> None:
         ext_ids = [r.ext_req_id for r in batch.read_reqs]
         refused = dict.fromkeys(ext_ids, reason)
-        empty = LayerPlan(_EMPTY, _EMPTY, _EMPTY, (), {}, 0, 0)
-        self._finish(batch, empty, refused)
+        self._finish(batch, (), refused)
         self._reply_failed(identity, batch, reason, ext_ids)
 
     def _reply(self, identity: bytes, batch: protocol.ReadReadyBatch, refused: Mapping[str, str]) -> None:

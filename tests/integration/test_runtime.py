@@ -185,3 +185,20 @@ def test_merge_by_device_keeps_devices_apart() -> None:
     assert sorted(merged, key=lambda r: (r.device, r.addr)) == [
         Region(0, 15), Region(100, 1), Region(0, 8, "cuda"),
     ]
+
+
+def test_take_finished_reports_each_request_once(kv_port: int) -> None:
+    src, dst = {"l": _tensors(True)}, {"l": _tensors(False)}
+    with KVSink(dst, kv_port=kv_port) as sink, KVSource(src, block_size=BLOCK) as source:
+        sink.expect("r", main_blocks=[3])
+        source.add_request("r", sink.endpoint, main_block_ids=[1], num_tokens=BLOCK)
+        assert source.take_finished() == {}  # nothing announced yet
+        source.send_all({"r": BLOCK})
+        sink.wait(["r"], 10)
+        deadline = time.monotonic() + 10
+        taken: dict = {}
+        while not taken and time.monotonic() < deadline:
+            taken = source.take_finished()
+            time.sleep(0.01)
+        assert list(taken) == ["r"] and taken["r"].ok
+        assert source.take_finished() == {}

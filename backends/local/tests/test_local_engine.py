@@ -437,6 +437,7 @@ def test_split_partitions_the_byte_stream(lengths, parts, align):
 
 def test_big_batches_use_the_pool_and_close_joins_it(recorder):
     buf = Buffers(8 << 20, seed=9)
+    before = set(threading.enumerate())  # engines of other tests may still have pools alive
     engine = LocalEngine("decode", threads=3, parallel_threshold_bytes=1 << 20)
     session = engine.connect(engine.register([Region(buf.src_addr, buf.src.nbytes), Region(buf.dst_addr, buf.dst.nbytes)]))
     descs = blocks(128, 64 << 10, seed=1)
@@ -448,7 +449,7 @@ def test_big_batches_use_the_pool_and_close_joins_it(recorder):
     recorder.calls.clear()
     engine.read_batch(session, *arrays(buf, small))
     assert len(recorder.calls) == 1
-    workers = [t for t in threading.enumerate() if t.name.startswith("rd2h-local")]
+    workers = [t for t in set(threading.enumerate()) - before if t.name.startswith("rd2h-local")]
     assert len(workers) == 2
     engine.close()
     engine.close()
