@@ -450,7 +450,7 @@ def test_big_batches_use_the_pool_and_close_joins_it(recorder):
     engine.read_batch(session, *arrays(buf, small))
     assert len(recorder.calls) == 1
     workers = [t for t in set(threading.enumerate()) - before if t.name.startswith("rd2h-local")]
-    assert len(workers) == 2
+    assert 1 <= len(workers) <= 2  # the pool starts a second thread only if the first is still busy
     engine.close()
     engine.close()
     assert not any(t.is_alive() for t in workers)

@@ -29,6 +29,15 @@ def peer(seed=1, sizes=(4 << 20, 2 << 20)):
     return PeerProcess("memfabric", sizes=sizes, seed=seed, options={"store_url": STORE, "timeout": 3.0})
 def arrays(*cols):
     return [np.asarray(c, dtype=np.int64) for c in cols]
+def stop(pid):  # SIGSTOP, then wait until the kernel shows it stopped: kill() returns earlier
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in "Tt":
+                return
+        time.sleep(0.01)
+    raise RuntimeError(f"process {pid} did not stop")
 def error(fn):
     try:
         fn()
@@ -149,7 +158,7 @@ def test_stalled_peer_times_out_and_its_session_refuses_reads() -> None:
             n, blk = 64, 64 << 10
             batch = arrays(dst.ctypes.data + np.arange(n) * blk, p.regions[0][0] + np.arange(n) * blk, [blk] * n)
             e.read_batch(s, *batch)
-            os.kill(p.pid, signal.SIGSTOP)
+            stop(p.pid)
             t = time.monotonic()
             first = error(lambda: e.read_batch(s, *batch))
             took = time.monotonic() - t
@@ -206,7 +215,7 @@ def test_a_call_stuck_past_close_wedges_the_process_not_the_caller() -> None:
             s = e.connect(p.metadata)
             one = arrays([dst.ctypes.data], [p.regions[0][0]], [4096])
             e.read_batch(s, *one)
-            os.kill(p.pid, signal.SIGSTOP)
+            stop(p.pid)
             first = error(lambda: e.read_batch(s, *one))
             t = time.monotonic()
             e.close()  # the stuck read is still inside memfabric: close gives up after its grace
