@@ -11,6 +11,7 @@ status codes or status strings are returned to callers.
     │   ├── RemoteProtocolError      bytes from a peer that do not decode to a valid message
     │   └── IncompatiblePeerError    peer speaks another protocol or cache-layout version
     ├── LayoutError                  source and destination layouts disagree (nothing is read)
+    │   ├── LayoutTagMismatch        same bytes per block, different dtype/shape/tokens/layout
     │   ├── MainTensorCountMismatch
     │   ├── MainBlockLengthMismatch
     │   ├── IndexerPresenceMismatch
@@ -18,7 +19,8 @@ status codes or status strings are returned to callers.
     │   ├── ScalePresenceMismatch
     │   ├── ScaleLayoutMismatch
     │   ├── BlockRangeError          a block id outside the tensor's block count
-    │   └── RegionError              an address range outside the registered regions
+    │   ├── RegionError              an address range outside the registered regions
+    │   └── DestinationError         expected destinations that overlap, repeat or fall outside
     ├── BackendError                 loading a plugin failed
     │   ├── BackendNotFoundError     no backend of that name is installed
     │   └── BackendUnavailableError  installed, but a dependency is missing or cannot run here
@@ -30,11 +32,20 @@ status codes or status strings are returned to callers.
     │   └── FrameTooLargeError       a frame above the configured size limit
     ├── GateTimeout                  a storage slot was not released in time (dead Decode?)
     ├── LayerFailedError             Decode answered READ_FAILED; raised on the Prefill compute path
+    ├── WaitTimeout                  wait()/wait_finished() ran out before the requests ended
+    ├── DeadlineExceeded             a request's own deadline passed before it completed
+    ├── ReplyTimeout                 a peer did not reply within its bound (silent Decode)
+    ├── RemoteError                  the peer failed a request for a reason this build has no class for
     └── StateError                   an event that is illegal in the tracked state (a usage error)
-        └── UnknownRequestError      a request id the tracker does not know
+        ├── UnknownRequestError      a request id the tracker does not know
+        └── DuplicateRequestError    a request id that is already tracked
 
 Errors that are also built-in kinds (a timeout, a value error) inherit from the built-in
 too, so ``except TimeoutError`` keeps working for callers who do not know rd2h.
+
+A failure that crosses the wire travels as its class name and message (``wire_kind`` /
+``from_wire``): the peer rebuilds the same class from this tree, or :class:`RemoteError`
+for a name it does not know, so reasons stay exceptions with a class on both sides.
 """
 
 from __future__ import annotations
@@ -69,6 +80,15 @@ __all__ = [
     "LayerFailedError",
     "StateError",
     "UnknownRequestError",
+    "DuplicateRequestError",
+    "LayoutTagMismatch",
+    "DestinationError",
+    "WaitTimeout",
+    "DeadlineExceeded",
+    "ReplyTimeout",
+    "RemoteError",
+    "wire_kind",
+    "from_wire",
 ]
 
 
@@ -136,6 +156,16 @@ class RegionError(LayoutError):
     """An address range that lies outside every registered memory region."""
 
 
+class LayoutTagMismatch(LayoutError):
+    """The two sides move the same bytes per block but describe them differently (dtype,
+    per-block shape, tokens per block or layout name): mixing them would corrupt silently."""
+
+
+class DestinationError(LayoutError):
+    """Destinations given to ``expect`` that repeat a block, overlap another live request's
+    blocks, or lie outside the destination tensors."""
+
+
 class BackendError(RD2HError):
     """A transfer engine or control channel could not be loaded."""
 
@@ -183,6 +213,28 @@ class LayerFailedError(RD2HError):
     layer's storage slot. (A READ_FAILED naming requests fails only those requests.)"""
 
 
+class WaitTimeout(RD2HError, TimeoutError):
+    """A wait for requests ran out; the message names the requests still pending."""
+
+
+class DeadlineExceeded(RD2HError, TimeoutError):
+    """A request's own deadline passed before all its bytes arrived; it is failed."""
+
+
+class ReplyTimeout(RD2HError, TimeoutError):
+    """A peer did not reply within its bound; the requests it held are failed."""
+
+
+class RemoteError(RD2HError):
+    """The peer failed a request with an error class this build does not know.
+
+    ``kind`` is the class name the peer sent."""
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class StateError(RD2HError):
     """An event that is illegal in the current state of a tracked slot, layer or request:
     a usage error (or a peer's inconsistent signals). The message names the state and event."""
@@ -193,3 +245,35 @@ class UnknownRequestError(StateError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+class DuplicateRequestError(StateError):
+    """A request id that is already tracked was added or expected again."""
+
+
+def wire_kind(error: BaseException) -> str:
+    """The name a failure travels under: its class name when it is in this tree, else
+    ``RD2HError``. A :class:`RemoteError` keeps the name it arrived with."""
+    if isinstance(error, RemoteError) and error.kind:
+        return error.kind
+    if isinstance(error, RD2HError) and _TREE.get(type(error).__name__) is type(error):
+        return type(error).__name__
+    return "RD2HError"
+
+
+def from_wire(kind: str, message: str) -> RD2HError:
+    """Rebuild a peer's failure: the class of this tree named ``kind``, or RemoteError."""
+    cls = _TREE.get(kind)
+    if cls is None or cls is RemoteError:
+        return RemoteError(message, kind)
+    try:
+        return cls(message)
+    except TypeError:  # a class whose constructor wants more than a message
+        return RemoteError(message, kind)
+
+
+_TREE: dict[str, type[RD2HError]] = {
+    name: obj
+    for name, obj in list(globals().items())
+    if isinstance(obj, type) and issubclass(obj, RD2HError)
+}
