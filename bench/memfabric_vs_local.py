@@ -2,7 +2,7 @@
 
     python bench/memfabric_vs_local.py [--layers 16 --blocks 512 --block-kib 64 --repeat 5 --json out.json]
 
-The same workload for both engines (``rd2h.benchmark.measure_engine``): a peer process holds
+The same workload for both engines (``rd2h.cli.benchmark.measure_engine``): a peer process holds
 ``layers`` x ``blocks`` blocks; Decode reads each layer with one batched read of its blocks in
 a random order, and the last layer is checked byte for byte. memcpy of the same bytes on one
 and two threads is measured in the same run; the ratios to it are the result.
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from rd2h.benchmark import BenchConfig, measure_engine, measure_memcpy
+    from rd2h.cli.benchmark import BenchConfig, measure_engine, measure_memcpy
 
     config = BenchConfig(layers=args.layers, blocks=args.blocks, block_bytes=args.block_kib << 10, repeat=args.repeat)
     store = f"tcp://127.0.0.1:{_free_port()}"

@@ -9,7 +9,7 @@ A transfer engine is checked by subclassing ``EngineConformance`` in the backend
         engine_options = {}             # constructor options for both roles
 
 Every test then runs against the engine, reading across two real processes (the source
-side in ``python -m rd2h.testing.peer``). See ``rd2h.testing.engine_suite`` for the hooks
+side in ``python -m rd2h.cli.peer``). See ``rd2h.testing.engine_suite`` for the hooks
 (per-role options, peer environment, optional features, time bounds). Control channels
 have the same in ``ChannelConformance`` (``rd2h.testing.channel_suite``).
 

@@ -10,7 +10,7 @@ A backend author runs it with a few lines in the backend's tests::
 
 pytest then collects every ``test_*`` below for that engine. Reads cross two real
 processes: the source side (``peer_role``, "prefill") runs in ``python -m
-rd2h.testing.peer``, built by name through ``rd2h.plugins``; the reading side
+rd2h.cli.peer``, built by name through ``rd2h.plugins``; the reading side
 (``reader_role``, "decode") runs in the test process. Bytes are compared exactly against
 a pattern the test computes itself.
 

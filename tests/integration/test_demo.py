@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rd2h.demo.runner import DemoFailed, run_demo
-from rd2h.demo.workload import DemoConfig, Workload
+from rd2h.cli.demo.runner import DemoFailed, run_demo
+from rd2h.cli.demo.workload import DemoConfig, Workload
 from rd2h.errors import BackendNotFoundError, PortInUseError, TopologyError
 
 pytestmark = pytest.mark.slow

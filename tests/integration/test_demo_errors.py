@@ -6,8 +6,8 @@ import gc
 import multiprocessing as mp
 from multiprocessing import shared_memory
 
-from rd2h.demo import ranks
-from rd2h.demo.workload import DemoConfig, Workload
+from rd2h.cli.demo import ranks
+from rd2h.cli.demo.workload import DemoConfig, Workload
 
 
 def _run_decode(config: DemoConfig, name: str) -> str:

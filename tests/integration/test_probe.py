@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rd2h.probe import CHECKS
+from rd2h.cli.probe import CHECKS
 
 RD2H = Path(sys.executable).with_name("rd2h")
 

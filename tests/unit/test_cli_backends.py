@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rd2h import cli, plugins
+from rd2h import plugins
+import rd2h.cli.main as cli
 from rd2h.errors import BackendError
 
 RD2H = Path(sys.executable).with_name("rd2h")
@@ -102,5 +103,5 @@ def test_every_listed_command_has_the_two_functions() -> None:
     import importlib
 
     for name in cli.COMMANDS:
-        module = importlib.import_module(f"rd2h.commands.{name}")
+        module = importlib.import_module(f"rd2h.cli.commands.{name}")
         assert callable(module.add_parser) and callable(module.run)

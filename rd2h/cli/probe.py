@@ -1,6 +1,6 @@
 """Two real endpoints of one transfer engine, checked one step at a time (``rd2h probe``).
 
-A source process (``rd2h.testing.peer``, role prefill) registers three patterned regions,
+A source process (``rd2h.cli.peer``, role prefill) registers three patterned regions,
 each with an unregistered page around it; this process (role decode) registers a
 destination and reads from the source. Nothing of rd2h's scheduling is involved: this is
 the engine alone, as an application would build it by name.
@@ -27,7 +27,7 @@ import numpy as np
 from rd2h import plugins
 from rd2h.errors import BackendError, BackendUnavailableError, ConfigError, PeerGoneError, RegionError, TransferError
 from rd2h.interfaces import Region, Session, TransferEngine
-from rd2h.testing.peer import GAP, GAP_BYTE, PeerProcess, pattern
+from rd2h.cli.peer import GAP, GAP_BYTE, PeerProcess, pattern
 
 __all__ = ["CHECKS", "ProbeConfig", "CheckResult", "ProbeReport", "run_probe"]
 

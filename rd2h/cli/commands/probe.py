@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from rd2h.commands.demo import engine_option
+from rd2h.cli.commands.demo import engine_option
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rd2h.probe import CHECKS, CheckResult, ProbeConfig, run_probe
+    from rd2h.cli.probe import CHECKS, CheckResult, ProbeConfig, run_probe
 
     shared = dict(args.engine_option)
     config = ProbeConfig(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from rd2h.demo.runner import DemoResult
+from rd2h.cli.demo.runner import DemoResult
 
 __all__ = ["Progress", "format_result"]
 

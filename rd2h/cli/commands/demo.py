@@ -45,9 +45,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rd2h.demo.report import Progress, format_result
-    from rd2h.demo.runner import run_demo
-    from rd2h.demo.workload import DemoConfig
+    from rd2h.cli.demo.report import Progress, format_result
+    from rd2h.cli.demo.runner import run_demo
+    from rd2h.cli.demo.workload import DemoConfig
 
     config = DemoConfig(
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, layers=args.layers, requests=args.requests,

@@ -1,6 +1,6 @@
 """The ``rd2h`` command line.
 
-Each subcommand is a module in ``rd2h.commands`` with two functions::
+Each subcommand is a module in ``rd2h.cli.commands`` with two functions::
 
     def add_parser(subparsers) -> argparse.ArgumentParser   # adds and returns its parser
     def run(args: argparse.Namespace) -> int                  # the exit status
@@ -24,7 +24,7 @@ from rd2h.errors import RD2HError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-#: module names under rd2h.commands, in the order ``rd2h --help`` lists them
+#: module names under rd2h.cli.commands, in the order ``rd2h --help`` lists them
 COMMANDS: tuple[str, ...] = ("demo", "bench", "probe", "backends")
 
 EXIT_ERROR = 2
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        module = importlib.import_module(f"rd2h.commands.{name}")
+        module = importlib.import_module(f"rd2h.cli.commands.{name}")
         sub = module.add_parser(subparsers)
         # also accepted after the command; SUPPRESS keeps a value given before it
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

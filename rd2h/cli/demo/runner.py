@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from rd2h import plugins
-from rd2h.demo import ranks
-from rd2h.demo.workload import MAIN_TENSORS, DemoConfig, Workload
+from rd2h.cli.demo import ranks
+from rd2h.cli.demo.workload import MAIN_TENSORS, DemoConfig, Workload
 from rd2h.errors import BackendUnavailableError, PortInUseError, RD2HError
 from rd2h.topology import decode_ports
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from rd2h.api import KVSink, KVSource, LayerTensors, host_buffer
 from rd2h.chunking import ChunkPlanner
-from rd2h.demo.workload import INDEXER, MAIN_TENSORS, SCALE, DemoConfig, TensorSpec, Workload, pattern
+from rd2h.cli.demo.workload import INDEXER, MAIN_TENSORS, SCALE, DemoConfig, TensorSpec, Workload, pattern
 from rd2h.source import DecodeEndpoint
 from rd2h.topology import base_port
 

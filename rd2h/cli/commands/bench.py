@@ -9,7 +9,7 @@ import platform
 import sys
 from typing import Any
 
-from rd2h.commands.demo import engine_option
+from rd2h.cli.commands.demo import engine_option
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rd2h.benchmark import BenchConfig, measure_engine, measure_memcpy
+    from rd2h.cli.benchmark import BenchConfig, measure_engine, measure_memcpy
 
     config = BenchConfig(args.layers, args.blocks, args.block_kib << 10, args.repeat)
     options = dict(args.engine_option)

@@ -1,6 +1,6 @@
 """Transfer-engine throughput next to memcpy, measured in the same run (``rd2h bench``).
 
-A peer process (``rd2h.testing.peer``) holds ``layers`` layers of ``blocks`` blocks in one
+A peer process (``rd2h.cli.peer``) holds ``layers`` layers of ``blocks`` blocks in one
 registered region. This process reads each layer with one ``read_batch`` of the layer's
 blocks in a random order into a pre-faulted destination, as Decode does, and copies the
 same number of bytes with memcpy on one and on two threads. Ratios to memcpy are the
@@ -22,7 +22,7 @@ import numpy as np
 from rd2h import plugins
 from rd2h.api import host_buffer
 from rd2h.interfaces import Region
-from rd2h.testing.peer import PeerProcess
+from rd2h.cli.peer import PeerProcess
 
 __all__ = ["BenchConfig", "BenchRow", "measure_engine", "measure_memcpy"]
 
