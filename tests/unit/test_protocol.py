@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rd2h import layer_metadata as lm
 from rd2h import protocol as p
 from rd2h.errors import IncompatiblePeerError, RemoteProtocolError
 from rd2h.layout import LayerLayout, TensorLayout
@@ -101,9 +102,9 @@ def test_every_message_round_trips(msg: p.Message) -> None:
 @ROUND
 @given(layer_maps)
 def test_layer_metadata_round_trips(layouts: dict[str, LayerLayout]) -> None:
-    data = p.encode_layer_metadata(layouts)
-    assert p.decode_layer_metadata(data) == layouts
-    assert p.decode_layer_metadata(data, layout_version=p.LAYOUT_VERSION) == layouts
+    data = lm.encode_layer_metadata(layouts)
+    assert lm.decode_layer_metadata(data) == layouts
+    assert lm.decode_layer_metadata(data, layout_version=lm.LAYOUT_VERSION) == layouts
     meta = p.MfMeta.from_layers("10.0.0.1:5000", layouts)
     assert p.decode_request(p.encode(meta)).layers() == layouts  # type: ignore[union-attr]
 
@@ -118,7 +119,7 @@ def test_read_ready_batch_wire_shape_is_positional_with_bin_tags() -> None:
 
 
 def test_layer_metadata_wire_keys_and_derived_groups() -> None:
-    raw = msgpack.unpackb(p.encode_layer_metadata(sample_layers()))
+    raw = msgpack.unpackb(lm.encode_layer_metadata(sample_layers()))
     assert raw["model.layers.0.attn"] == {
         "base_addrs": [0x10000, 0x60000, 0xA0000, 0xC0000],
         "block_len": [4096, 4096, 512, 16],
@@ -188,9 +189,9 @@ def test_trailing_fields_are_ignored_and_str_tags_accepted() -> None:
     entry = ["r", [1], [2], 0, 0, "future field"]
     msg = p.decode(pack(b"read_ready_batch", 0, "l", [entry], [], 0, 1, {"future": 1}))
     assert msg == p.ReadReadyBatch(0, "l", (p.ReadRequest("r", (1,), (2,)),))
-    layer = msgpack.unpackb(p.encode_layer_metadata(sample_layers()))
+    layer = msgpack.unpackb(lm.encode_layer_metadata(sample_layers()))
     layer["model.layers.1.attn"]["future_key"] = [1, 2, 3]
-    assert p.decode_layer_metadata(msgpack.packb(layer)) == sample_layers()
+    assert lm.decode_layer_metadata(msgpack.packb(layer)) == sample_layers()
 
 
 # -- versions, ACK, META_REQUIRED --------------------------------------------------------------
@@ -236,14 +237,14 @@ def test_requests_and_replies_are_not_confused() -> None:
     with pytest.raises(RemoteProtocolError, match="unexpected tag b'read_done'"):
         p.decode_request(p.encode(p.ReadDone(1)))
     with pytest.raises(RemoteProtocolError, match="unexpected tag b'mf_meta'"):
-        p.decode_reply(p.encode(p.MfMeta("h", p.encode_layer_metadata({}))))
+        p.decode_reply(p.encode(p.MfMeta("h", lm.encode_layer_metadata({}))))
     with pytest.raises(RemoteProtocolError, match="unknown tag"):
         p.decode(pack(b"read_everything", 1))
 
 
 # -- invalid input names the message and field ------------------------------------------------
 
-OK_LAYER = msgpack.unpackb(p.encode_layer_metadata({"l": sample_layers()["model.layers.0.attn"]}))["l"]
+OK_LAYER = msgpack.unpackb(lm.encode_layer_metadata({"l": sample_layers()["model.layers.0.attn"]}))["l"]
 
 
 def meta_with(**changes: object) -> bytes:
@@ -345,7 +346,7 @@ def test_non_bytes_input_is_a_protocol_error(value: object) -> None:
     with pytest.raises(RemoteProtocolError, match="expected bytes"):
         p.decode(value)  # type: ignore[arg-type]
     with pytest.raises(RemoteProtocolError, match="expected bytes"):
-        p.decode_layer_metadata(value)  # type: ignore[arg-type]
+        lm.decode_layer_metadata(value)  # type: ignore[arg-type]
 
 
 # -- local construction -----------------------------------------------------------------------
@@ -376,11 +377,11 @@ def test_construction_normalises_sequences_and_rejects_bad_fields() -> None:
 def test_encode_layer_metadata_rejects_layouts_it_could_not_decode() -> None:
     t = TensorLayout(0, 64, 8)
     with pytest.raises(TypeError, match="layer name"):
-        p.encode_layer_metadata({7: LayerLayout((t,))})  # type: ignore[dict-item]
+        lm.encode_layer_metadata({7: LayerLayout((t,))})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="LayerLayout"):
-        p.encode_layer_metadata({"l": (t,)})  # type: ignore[dict-item]
+        lm.encode_layer_metadata({"l": (t,)})  # type: ignore[dict-item]
     with pytest.raises(IncompatiblePeerError):
-        p.decode_layer_metadata(p.encode_layer_metadata({}), layout_version=3)
+        lm.decode_layer_metadata(lm.encode_layer_metadata({}), layout_version=3)
 
 
 # -- fuzz: only RemoteProtocolError, or a valid message that re-encodes to itself -------------
@@ -396,7 +397,7 @@ def check_decodes_or_refuses(data: bytes) -> None:
         if isinstance(msg, p.MfMeta) and msg.layout_version in (1, 2):
             msg.layers()  # a decoded mf_meta of a known layout has usable metadata
     try:
-        p.decode_layer_metadata(data)
+        lm.decode_layer_metadata(data)
     except RemoteProtocolError:
         pass
 
@@ -462,7 +463,7 @@ def test_fuzz_swapped_field_types(msg: p.Message, data: st.DataObject) -> None:
 @FUZZ_TREES
 @given(layer_maps, st.data())
 def test_fuzz_layer_metadata_values(layouts: dict[str, LayerLayout], data: st.DataObject) -> None:
-    tree = msgpack.unpackb(p.encode_layer_metadata(layouts))
+    tree = msgpack.unpackb(lm.encode_layer_metadata(layouts))
     if tree:
         layer = tree[data.draw(st.sampled_from(sorted(tree)))]
         key = data.draw(st.sampled_from(sorted(layer)))
@@ -473,10 +474,10 @@ def test_fuzz_layer_metadata_values(layouts: dict[str, LayerLayout], data: st.Da
     blob = msgpack.packb(tree)
     for version in (None, 1, 2):
         try:
-            decoded = p.decode_layer_metadata(blob, layout_version=version)
+            decoded = lm.decode_layer_metadata(blob, layout_version=version)
         except RemoteProtocolError:
             continue
-        assert p.decode_layer_metadata(p.encode_layer_metadata(decoded)) == decoded
+        assert lm.decode_layer_metadata(lm.encode_layer_metadata(decoded)) == decoded
     check_decodes_or_refuses(pack(b"mf_meta", "h", blob, 2, 2))
 
 
