@@ -19,6 +19,8 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from rd2h.regions import Region
+
 __all__ = [
     "Capability",
     "Region",
@@ -43,23 +45,6 @@ class Capability(enum.Flag):
     WRITE_TO_DEVICE = enum.auto()  # local destinations may be accelerator memory
     CROSS_HOST = enum.auto()  # the peer may live on another machine
     NEEDS_REGISTERED_DESTINATIONS = enum.auto()  # local destinations must be registered first
-
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """One contiguous range of memory, ``[addr, addr + length)``, on ``device``."""
-
-    addr: int
-    length: int
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.addr < 0 or self.length <= 0:
-            raise ValueError(f"region needs addr >= 0 and length > 0, got {self.addr:#x}+{self.length}")
-
-    @property
-    def end(self) -> int:
-        return self.addr + self.length
 
 
 @dataclass(frozen=True, slots=True)

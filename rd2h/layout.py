@@ -33,8 +33,7 @@ from rd2h.errors import (
     ScaleLayoutMismatch,
     ScalePresenceMismatch,
 )
-from rd2h.interfaces import Region
-from rd2h.regions import RegionSet, describe_range
+from rd2h.regions import Region, RegionSet, describe_range
 
 __all__ = [
     "TensorLayout",

@@ -8,17 +8,36 @@ for a whole layer's worth of ranges at once.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from rd2h.errors import RegionError
-from rd2h.interfaces import Region
 
-__all__ = ["RegionSet", "merge_by_device"]
+__all__ = ["Region", "RegionSet", "merge_by_device"]
 
 Int64Array = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One contiguous range of memory, ``[addr, addr + length)``, on ``device``."""
+
+    addr: int
+    length: int
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.addr < 0 or self.length <= 0:
+            raise ValueError(f"region needs addr >= 0 and length > 0, got {self.addr:#x}+{self.length}")
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+
 RegionLike = Region | tuple[int, int]
 
 

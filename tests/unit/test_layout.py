@@ -22,7 +22,7 @@ from rd2h.errors import (
     ScaleLayoutMismatch,
     ScalePresenceMismatch,
 )
-from rd2h.interfaces import Region
+from rd2h.regions import Region
 from rd2h.layout import (
     LayerLayout,
     LayerPlan,
