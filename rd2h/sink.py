@@ -27,7 +27,8 @@ from rd2h import protocol
 from rd2h.coverage import CoverageTracker
 from rd2h.errors import BlockRangeError, ProtocolError, RD2HError, StateError
 from rd2h.interfaces import Listener, Session, TransferEngine
-from rd2h.layout import LayerLayout, LayerPlan, PlanBuilder, RequestRead
+from rd2h.layout import LayerLayout
+from rd2h.planning import LayerPlan, PlanBuilder, RequestRead
 from rd2h.regions import RegionSet, merge_by_device
 from rd2h.topology import indexer_share, main_share
 from rd2h.tracking import (

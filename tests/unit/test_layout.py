@@ -1,4 +1,4 @@
-"""Layouts, validation, region checks and descriptor building (rd2h.layout, rd2h.regions)."""
+"""Layouts, validation, region checks and descriptor building (rd2h.layout, rd2h.planning, rd2h.regions)."""
 
 from __future__ import annotations
 
@@ -22,18 +22,9 @@ from rd2h.errors import (
     ScaleLayoutMismatch,
     ScalePresenceMismatch,
 )
-from rd2h.regions import Region
-from rd2h.layout import (
-    LayerLayout,
-    LayerPlan,
-    PlanBuilder,
-    RegionSet,
-    RequestRead,
-    TensorLayout,
-    block_addresses,
-    build_layer_plan,
-    validate_layer,
-)
+from rd2h.layout import LayerLayout, TensorLayout, validate_layer
+from rd2h.planning import LayerPlan, PlanBuilder, RequestRead, block_addresses, build_layer_plan
+from rd2h.regions import Region, RegionSet
 
 T = TensorLayout
 

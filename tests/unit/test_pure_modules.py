@@ -19,7 +19,7 @@ import pytest
 import rd2h
 
 PACKAGE = Path(rd2h.__file__).parent
-REQUIRED = ["protocol", "topology", "layout", "tracking", "slots", "statemachine", "regions", "chunking", "coverage"]  # must exist
+REQUIRED = ["protocol", "topology", "layout", "planning", "tracking", "slots", "statemachine", "regions", "chunking", "coverage"]  # must exist
 OPTIONAL: list[str] = []  # checked once they exist
 
 FORBIDDEN_TOP = {"zmq", "torch", "torch_npu", "vllm", "memfabric_hybrid", "stevedore"}
