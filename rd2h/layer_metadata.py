@@ -21,10 +21,17 @@ from rd2h._wire import unpack as _unpack
 from rd2h.errors import IncompatiblePeerError, RemoteProtocolError
 from rd2h.layout import LayerLayout, TensorLayout
 
-__all__ = ["LAYOUT_VERSION", "LEGACY_LAYOUT_VERSION", "encode_layer_metadata", "decode_layer_metadata"]
+__all__ = [
+    "LAYOUT_VERSION",
+    "LEGACY_LAYOUT_VERSION",
+    "READ_LAYOUT_VERSIONS",
+    "encode_layer_metadata",
+    "decode_layer_metadata",
+]
 
 LAYOUT_VERSION = 2  # v2 adds num_blocks and has_scale to the layer metadata
 LEGACY_LAYOUT_VERSION = 1
+READ_LAYOUT_VERSIONS = (LEGACY_LAYOUT_VERSION, LAYOUT_VERSION)  # what decode_layer_metadata reads
 
 _TENSOR_LISTS = ("base_addrs", "block_len", "block_size_scale", "num_blocks", "tensor_group_idx")
 
@@ -149,7 +156,7 @@ def decode_layer_metadata(data: bytes, *, layout_version: int | None = None) -> 
     Raises RemoteProtocolError naming the layer and key, IncompatiblePeerError for a layout
     version this build does not know.
     """
-    if layout_version is not None and layout_version not in (LEGACY_LAYOUT_VERSION, LAYOUT_VERSION):
+    if layout_version is not None and layout_version not in READ_LAYOUT_VERSIONS:
         raise IncompatiblePeerError(
             f"cache layout version {layout_version} is unknown to this build (it reads "
             f"{LEGACY_LAYOUT_VERSION} and {LAYOUT_VERSION}): run the same rd2h version on both sides"

@@ -13,6 +13,9 @@ Decoding is strict: any input either decodes to a message whose every field is v
 raises :class:`~rd2h.errors.RemoteProtocolError`, whose text names the message and the
 field. Constructing a message locally with bad fields raises ``TypeError``/``ValueError``;
 those are programming errors, not peer errors.
+
+``mf_meta`` has several wire forms; :mod:`rd2h.mf_meta` holds them, :class:`MfMeta` and the
+compatibility rule, and this module frames them with the other messages.
 """
 
 from __future__ import annotations
@@ -27,22 +30,30 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from rd2h._wire import VERSION_END as _VERSION_END
-from rd2h._wire import as_bytes as _as_bytes
 from rd2h._wire import as_str_tuple as _as_str_tuple
 from rd2h._wire import check_int as _check_int
 from rd2h._wire import check_str as _check_str
 from rd2h._wire import kind as _kind
 from rd2h._wire import unpack as _unpack
-from rd2h.errors import IncompatiblePeerError, RemoteProtocolError
-from rd2h.layer_metadata import LAYOUT_VERSION, LEGACY_LAYOUT_VERSION, decode_layer_metadata, encode_layer_metadata
-from rd2h.layout import LayerLayout
+from rd2h.errors import LayerFailedError, RD2HError, RemoteError, RemoteProtocolError, from_wire, wire_kind
+from rd2h.mf_meta import (
+    LEGACY_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
+    REFERENCE_PROTOCOL_VERSION,
+    MetaForm,
+    MfMeta,
+    check_compatible,
+    decode_mf_meta,
+    mf_meta_fields,
+)
 
 __all__ = [
     "PROTOCOL_VERSION",
     "LEGACY_PROTOCOL_VERSION",
+    "REFERENCE_PROTOCOL_VERSION",
     "META_REQUIRED",
     "ACK_FRAME",
+    "MetaForm",
     "MfMeta",
     "Ack",
     "ReadRequest",
@@ -61,8 +72,6 @@ __all__ = [
     "decode_reply",
 ]
 
-PROTOCOL_VERSION = 2
-LEGACY_PROTOCOL_VERSION = 1  # the reference implementation's 3-field mf_meta
 META_REQUIRED = "rd2h: mf_meta required before readiness"
 ACK_FRAME = b"ACK"
 
@@ -117,45 +126,6 @@ def _set(obj: object, name: str, value: object) -> None:
 
 
 # -- messages ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class MfMeta:
-    """Prefill -> Decode, once per connection before any readiness: who I am, where my cache is.
-
-    ``layer_metadata`` is the msgpack map built by :func:`encode_layer_metadata`;
-    ``engine_metadata`` is opaque to rd2h, produced by the transfer engine's ``register`` and
-    consumed by its ``connect``. The version fields default to this build's versions; on the
-    wire, a message without them is a legacy (version 1) peer.
-    """
-
-    p_session: str
-    layer_metadata: bytes
-    protocol_version: int = PROTOCOL_VERSION
-    layout_version: int = LAYOUT_VERSION
-    engine_metadata: bytes = b""
-
-    def __post_init__(self) -> None:
-        _check_str(self.p_session, "p_session", allow_empty=True)
-        _set(self, "layer_metadata", _as_bytes(self.layer_metadata, "layer_metadata"))
-        _check_int(self.protocol_version, "protocol_version", 1, _VERSION_END)
-        _check_int(self.layout_version, "layout_version", 1, _VERSION_END)
-        _set(self, "engine_metadata", _as_bytes(self.engine_metadata, "engine_metadata"))
-
-    @classmethod
-    def from_layers(
-        cls, p_session: str, layers: Mapping[str, LayerLayout], *, engine_metadata: bytes = b""
-    ) -> MfMeta:
-        """Build this build's mf_meta from layouts. Raises TypeError/ValueError on bad layouts."""
-        return cls(p_session, encode_layer_metadata(layers), engine_metadata=engine_metadata)
-
-    def layers(self) -> dict[str, LayerLayout]:
-        """Decode ``layer_metadata``.
-
-        Raises RemoteProtocolError if it is malformed, IncompatiblePeerError if its layout
-        version is unknown to this build.
-        """
-        return decode_layer_metadata(self.layer_metadata, layout_version=self.layout_version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,21 +228,44 @@ class ReadFailed:
     were read and are complete for this layer. Either way the reply releases the storage
     slot on Prefill. ``error`` equal to :data:`META_REQUIRED` means Decode has no mf_meta for
     this connection (it restarted): Prefill re-sends mf_meta before its next readiness.
+
+    ``error_kind`` is the class name of the rd2h error behind the failure
+    (:func:`rd2h.errors.wire_kind`); :meth:`exception` rebuilds it on Prefill. A legacy peer
+    sends none.
     """
 
     layer_idx: int
     error: str
     failed_ext_ids: tuple[str, ...] = ()
+    error_kind: str = ""
 
     def __post_init__(self) -> None:
         _check_int(self.layer_idx, "layer_idx")
         _check_str(self.error, "error", allow_empty=True)
         _set(self, "failed_ext_ids", _as_str_tuple(self.failed_ext_ids, "failed_ext_ids"))
+        _check_str(self.error_kind, "error_kind", allow_empty=True)
+
+    @classmethod
+    def from_error(cls, layer_idx: int, error: BaseException, failed_ext_ids: Sequence[str] = ()) -> ReadFailed:
+        """The reply that carries ``error`` (its text and class) for ``failed_ext_ids``."""
+        return cls(layer_idx, str(error), tuple(failed_ext_ids), wire_kind(error))
 
     @classmethod
     def meta_required(cls, layer_idx: int) -> ReadFailed:
         """The reply to a readiness that arrived before any mf_meta on its connection."""
         return cls(layer_idx, META_REQUIRED)
+
+    def exception(self) -> RD2HError:
+        """The failure as an rd2h error of the class Decode sent.
+
+        A kind this build does not know becomes :class:`~rd2h.errors.RemoteError`. Without a
+        kind (a legacy peer) a failure that names no request is a
+        :class:`~rd2h.errors.LayerFailedError`, one that names requests a RemoteError.
+        """
+        message = self.error or f"Decode failed layer {self.layer_idx} without a reason"
+        if self.error_kind:
+            return from_wire(self.error_kind, message)
+        return RemoteError(message) if self.failed_ext_ids else LayerFailedError(message)
 
     @property
     def needs_meta(self) -> bool:
@@ -292,32 +285,6 @@ class ReadFailed:
 Request = MfMeta | ReadReadyBatch  # what Decode receives
 Reply = Ack | ReadDone | ReadFailed  # what Prefill receives
 Message = Request | Reply
-
-
-def check_compatible(meta: MfMeta, *, accept_legacy: bool = False) -> None:
-    """Refuse a peer whose protocol or cache-layout version differs from this build's.
-
-    A legacy peer (protocol 1, layout 1: the reference implementation) is accepted only with
-    ``accept_legacy=True``. Raises IncompatiblePeerError saying both versions and what to do.
-    """
-    theirs = (meta.protocol_version, meta.layout_version)
-    if theirs == (PROTOCOL_VERSION, LAYOUT_VERSION):
-        return
-    peer = f"peer {meta.p_session[:80]!r} speaks protocol {theirs[0]}, cache layout {theirs[1]}"
-    ours = f"this build speaks protocol {PROTOCOL_VERSION}, cache layout {LAYOUT_VERSION}"
-    if theirs == (LEGACY_PROTOCOL_VERSION, LEGACY_LAYOUT_VERSION):
-        if accept_legacy:
-            return
-        raise IncompatiblePeerError(
-            f"{peer} (a legacy build); {ours}. Mixing legacy and unequal-TP contributor builds "
-            "can duplicate writes, so the handshake is refused. Upgrade the peer to rd2h, or "
-            "accept legacy peers (accept_legacy=True) only where Prefill and Decode TP sizes "
-            "are equal."
-        )
-    raise IncompatiblePeerError(
-        f"{peer}; {ours}. The handshake is refused rather than risk reading a layout "
-        "differently on the two sides: run the same rd2h version on Prefill and Decode."
-    )
 
 
 # -- codec ------------------------------------------------------------------------------------
@@ -352,16 +319,9 @@ def encode(msg: Message) -> bytes:
     elif kind is ReadDone:
         fields = (_READ_DONE, msg.layer_idx)
     elif kind is ReadFailed:
-        fields = (_READ_FAILED, msg.layer_idx, msg.error, msg.failed_ext_ids)
+        fields = (_READ_FAILED, msg.layer_idx, msg.error, msg.failed_ext_ids, msg.error_kind)
     elif kind is MfMeta:
-        fields = (
-            _MF_META,
-            msg.p_session,
-            msg.layer_metadata,
-            msg.protocol_version,
-            msg.layout_version,
-            msg.engine_metadata,
-        )
+        fields = (_MF_META, *mf_meta_fields(msg))
     elif kind is Ack:
         return ACK_FRAME
     else:
@@ -404,27 +364,6 @@ def encode_readiness(
 
 
 
-def _decode_mf_meta(f: tuple[Any, ...]) -> MfMeta:
-    n = len(f)
-    if n < 3:
-        raise ValueError(f"needs at least 3 fields, got {n}")
-    meta = MfMeta(
-        f[1],
-        f[2],
-        f[3] if n > 3 else LEGACY_PROTOCOL_VERSION,
-        f[4] if n > 4 else LEGACY_LAYOUT_VERSION,
-        f[5] if n > 5 else b"",
-    )
-    # Validate the nested map now for the layout versions this build reads; for any other the
-    # bytes stay opaque and check_compatible refuses the peer with the better message.
-    if meta.layout_version in (LEGACY_LAYOUT_VERSION, LAYOUT_VERSION):
-        try:
-            meta.layers()
-        except RemoteProtocolError as exc:
-            raise ValueError(str(exc)) from exc
-    return meta
-
-
 def _decode_read_request(entry: object, i: int) -> ReadRequest:
     if type(entry) is not tuple:
         raise TypeError(f"read_reqs[{i}]: expected an array, got {_kind(entry)}")
@@ -462,11 +401,11 @@ def _decode_read_failed(f: tuple[Any, ...]) -> ReadFailed:
     n = len(f)
     if n < 3:
         raise ValueError(f"needs at least 3 fields, got {n}")
-    return ReadFailed(f[1], f[2], f[3] if n > 3 else ())
+    return ReadFailed(f[1], f[2], f[3] if n > 3 else (), f[4] if n > 4 else "")
 
 
 _REQUEST_DECODERS: dict[bytes, Callable[[tuple[Any, ...]], Any]] = {
-    _MF_META: _decode_mf_meta,
+    _MF_META: decode_mf_meta,
     _READ_READY_BATCH: _decode_read_ready_batch,
 }
 _REPLY_DECODERS: dict[bytes, Callable[[tuple[Any, ...]], Any]] = {

@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 from rd2h import layer_metadata as lm
 from rd2h import protocol as p
-from rd2h.errors import IncompatiblePeerError, RemoteProtocolError
+from rd2h.errors import (
+    IncompatiblePeerError,
+    LayerFailedError,
+    RD2HError,
+    RegionError,
+    RemoteError,
+    RemoteProtocolError,
+)
 from rd2h.layout import LayerLayout, TensorLayout
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -61,20 +68,52 @@ def layers(draw: st.DrawFn) -> LayerLayout:
 
 
 layer_maps = st.dictionaries(names, layers(), max_size=3)
-mf_metas = st.builds(
-    p.MfMeta.from_layers, st.text(max_size=20), layer_maps, engine_metadata=st.binary(max_size=32)
-)
+versions = st.integers(0, 2**32 - 1) | st.integers(1, 4)
+
+
+@st.composite
+def pp_fields(draw: st.DrawFn) -> dict[str, int]:
+    pp_size = draw(st.integers(1, 2**32 - 1) | st.integers(1, 4))
+    return {"pp_rank": draw(st.integers(0, pp_size - 1)), "pp_size": pp_size}
+
+
+@st.composite
+def mf_metas(draw: st.DrawFn) -> p.MfMeta:
+    """Every form: this build's (any versions and pp fields), the reference's two, rd2h v2."""
+    session = draw(st.text(max_size=20))
+    blob = lm.encode_layer_metadata(draw(layer_maps))
+    form = draw(st.sampled_from(p.MetaForm))
+    if form is p.MetaForm.REFERENCE:
+        return p.MfMeta.reference(session, blob)
+    if form is p.MetaForm.REFERENCE_PP:
+        return p.MfMeta.reference(session, blob, version=draw(versions), **draw(pp_fields()))
+    engine = draw(st.binary(max_size=32))
+    if form is p.MetaForm.RD2H_V2:
+        return p.MfMeta(session, blob, draw(versions.filter(bool)), 2, engine, form=form, reference_version=1)
+    return dataclasses.replace(
+        p.MfMeta(session, blob, engine_metadata=engine, **draw(pp_fields())),
+        reference_version=draw(versions),
+        protocol_version=draw(st.just(p.PROTOCOL_VERSION) | versions.filter(bool)),
+    )
+
+
+error_kinds = st.sampled_from(["", "RegionError", "LayoutTagMismatch", "SomethingNew"]) | st.text(max_size=12)
 replies = st.one_of(
     st.just(p.Ack()),
     st.builds(p.ReadDone, offsets),
-    st.builds(p.ReadFailed, offsets, st.text(max_size=40), st.lists(names, max_size=3).map(tuple)),
+    st.builds(p.ReadFailed, offsets, st.text(max_size=40), st.lists(names, max_size=3).map(tuple), error_kinds),
 )
-requests = st.one_of(mf_metas, read_ready_batches())
+requests = st.one_of(mf_metas(), read_ready_batches())
 messages = st.one_of(requests, replies)
 
 
 def pack(*fields: object) -> bytes:
     return msgpack.packb(list(fields))
+
+
+def rd2h_meta(blob: bytes, *, protocol: int = p.PROTOCOL_VERSION, layout: int = lm.LAYOUT_VERSION, **own: object) -> bytes:
+    """This build's mf_meta as a hand-written peer would pack it."""
+    return pack(b"mf_meta", "h", blob, 2, 0, 1, {"rd2h": protocol, "layout": layout, **own})
 
 
 def sample_layers() -> dict[str, LayerLayout]:
@@ -113,9 +152,27 @@ def test_read_ready_batch_wire_shape_is_positional_with_bin_tags() -> None:
     msg = p.ReadReadyBatch(3, "l3", (p.ReadRequest("r", (1, 2), (7,), 4, 5),), ("r0",), 1, 2)
     assert msgpack.unpackb(p.encode(msg)) == [b"read_ready_batch", 3, "l3", [["r", [1, 2], [7], 4, 5]], ["r0"], 1, 2]
     assert msgpack.unpackb(p.encode(p.ReadDone(9))) == [b"read_done", 9]
-    assert msgpack.unpackb(p.encode(p.ReadFailed(9, "boom", ("a",)))) == [b"read_failed", 9, "boom", ["a"]]
+    failed = p.ReadFailed(9, "boom", ("a",), "RegionError")
+    assert msgpack.unpackb(p.encode(failed)) == [b"read_failed", 9, "boom", ["a"], "RegionError"]
+
+
+def test_mf_meta_wire_forms() -> None:
+    """The reference's fields first, at the reference's positions; rd2h's own in one map."""
     meta = p.MfMeta("h:1", b"\x80", engine_metadata=b"e")
-    assert msgpack.unpackb(p.encode(meta)) == [b"mf_meta", "h:1", b"\x80", 2, 2, b"e"]
+    own = {"rd2h": p.PROTOCOL_VERSION, "layout": lm.LAYOUT_VERSION, "engine": b"e"}
+    assert msgpack.unpackb(p.encode(meta)) == [b"mf_meta", "h:1", b"\x80", p.REFERENCE_PROTOCOL_VERSION, 0, 1, own]
+    assert (meta.form, meta.legacy, meta.pp_rank, meta.pp_size) == (p.MetaForm.RD2H, False, 0, 1)
+    reference = p.MfMeta.reference("h:1", b"\x80")
+    assert msgpack.unpackb(p.encode(reference)) == [b"mf_meta", "h:1", b"\x80"]
+    newer = p.MfMeta.reference("h:1", b"\x80", version=7, pp_rank=1, pp_size=2)
+    assert msgpack.unpackb(p.encode(newer)) == [b"mf_meta", "h:1", b"\x80", 7, 1, 2]
+    assert reference.legacy and newer.legacy and not meta.legacy
+    old = p.MfMeta("h:1", b"\x80", 2, 2, b"e", form=p.MetaForm.RD2H_V2, reference_version=1)
+    assert msgpack.unpackb(p.encode(old)) == [b"mf_meta", "h:1", b"\x80", 2, 2, b"e"]
+    with pytest.raises(ValueError, match="engine_metadata: a reference mf_meta does not carry it"):
+        dataclasses.replace(reference, engine_metadata=b"x")
+    with pytest.raises(ValueError, match="pp_rank: 2 is outside 0..1"):
+        p.MfMeta("h", b"\x80", pp_rank=2, pp_size=2)
 
 
 def test_layer_metadata_wire_keys_and_derived_groups() -> None:
@@ -148,6 +205,7 @@ def test_legacy_mf_meta_decodes_as_version_1_and_needs_accept_legacy() -> None:
     meta = p.decode_request(pack(b"mf_meta", "1.2.3.4:7000", msgpack.packb({"l0": legacy_layer})))
     assert isinstance(meta, p.MfMeta)
     assert (meta.protocol_version, meta.layout_version, meta.engine_metadata) == (1, 1, b"")
+    assert meta.form is p.MetaForm.REFERENCE and meta.legacy
     layer = meta.layers()["l0"]
     # no block counts from a legacy peer: each tensor runs to the end of the int64 space
     assert layer.main == (TensorLayout(4096, 128, (2**63 - 1 - 4096) // 128, 1),)
@@ -158,7 +216,7 @@ def test_legacy_mf_meta_decodes_as_version_1_and_needs_accept_legacy() -> None:
     p.check_compatible(meta, accept_legacy=True)
     # a layout-2 peer must send the keys a legacy peer leaves out
     with pytest.raises(RemoteProtocolError, match=r"mf_meta: layer_metadata\['l0'\]: has_scale: missing"):
-        p.decode_request(pack(b"mf_meta", "h", msgpack.packb({"l0": legacy_layer}), 2, 2))
+        p.decode_request(rd2h_meta(msgpack.packb({"l0": legacy_layer})))
 
 
 def test_legacy_read_ready_batch_and_entries() -> None:
@@ -181,6 +239,25 @@ def test_legacy_read_failed_means_all_failed() -> None:
     assert isinstance(msg, p.ReadFailed) and msg.all_failed and msg.failed("anything")
     partial = p.ReadFailed(2, "unknown request", ("x",))
     assert not partial.all_failed and partial.failed("x") and not partial.failed("y")
+    assert p.decode_reply(pack(b"read_failed", 2, "e", ["x"])) == p.ReadFailed(2, "e", ("x",), "")
+
+
+def test_read_failed_carries_the_error_class() -> None:
+    reply = p.ReadFailed.from_error(4, RegionError("0x10+8 is outside"), ["a"])
+    assert (reply.error, reply.failed_ext_ids, reply.error_kind) == ("0x10+8 is outside", ("a",), "RegionError")
+    rebuilt = p.decode_reply(p.encode(reply)).exception()  # type: ignore[union-attr]
+    assert type(rebuilt) is RegionError and str(rebuilt) == "0x10+8 is outside"
+    unknown = p.ReadFailed(4, "new reason", ("a",), "ErrorFromTheFuture").exception()
+    assert type(unknown) is RemoteError and unknown.kind == "ErrorFromTheFuture"
+    foreign = p.ReadFailed.from_error(4, KeyError("k"))
+    assert foreign.error_kind == "RD2HError" and type(foreign.exception()) is RD2HError
+
+
+def test_a_legacy_read_failed_rebuilds_by_what_it_names() -> None:
+    whole = p.decode_reply(pack(b"read_failed", 2, "engine error -5")).exception()  # type: ignore[union-attr]
+    assert type(whole) is LayerFailedError and "engine error -5" in str(whole)
+    some = p.decode_reply(pack(b"read_failed", 2, "", ["a"])).exception()  # type: ignore[union-attr]
+    assert type(some) is RemoteError and "layer 2" in str(some)
 
 
 def test_trailing_fields_are_ignored_and_str_tags_accepted() -> None:
@@ -200,17 +277,65 @@ def test_trailing_fields_are_ignored_and_str_tags_accepted() -> None:
 def test_check_compatible_accepts_equal_and_refuses_others_naming_both() -> None:
     meta = p.MfMeta.from_layers("h:1", sample_layers())
     p.check_compatible(meta)
-    for versions in [(3, 2), (2, 3), (2, 1), (1, 2)]:
+    ours = (p.PROTOCOL_VERSION, lm.LAYOUT_VERSION)
+    for versions in [(ours[0] + 1, ours[1]), (ours[0], ours[1] + 1), (ours[0], 1), (1, ours[1]), (2, 2)]:
         other = dataclasses.replace(meta, protocol_version=versions[0], layout_version=versions[1])
         with pytest.raises(IncompatiblePeerError) as info:
             p.check_compatible(other, accept_legacy=True)
         text = str(info.value)
-        assert f"protocol {versions[0]}, cache layout {versions[1]}" in text
-        assert "protocol 2, cache layout 2" in text and "same rd2h version" in text
+        assert f"rd2h protocol {versions[0]}, cache layout {versions[1]}" in text
+        assert f"rd2h protocol {ours[0]}, cache layout {ours[1]}" in text and "same rd2h version" in text
+
+
+def test_forms_are_told_apart_by_shape() -> None:
+    blob = lm.encode_layer_metadata(sample_layers())
+    legacy_blob = msgpack.packb({})
+    cases = [
+        (pack(b"mf_meta", "h", legacy_blob), p.MetaForm.REFERENCE, (1, 0, 1)),
+        (pack(b"mf_meta", "h", legacy_blob, 5), p.MetaForm.REFERENCE_PP, (5, 0, 1)),
+        (pack(b"mf_meta", "h", legacy_blob, 5, 1, 4), p.MetaForm.REFERENCE_PP, (5, 1, 4)),
+        # the reference's later fields, or a map that is not rd2h's, are trailing fields
+        (pack(b"mf_meta", "h", legacy_blob, 5, 1, 4, {"pp_layers": [1]}, 9), p.MetaForm.REFERENCE_PP, (5, 1, 4)),
+        (pack(b"mf_meta", "h", legacy_blob, 5, 1, 4, [1, 2]), p.MetaForm.REFERENCE_PP, (5, 1, 4)),
+        (rd2h_meta(blob, engine=b"e", future_key=[1]), p.MetaForm.RD2H, (2, 0, 1)),
+        (pack(b"mf_meta", "h", b"\xc1 never read", 2, 2, b"e"), p.MetaForm.RD2H_V2, (1, 0, 1)),
+    ]
+    for data, form, (version, pp_rank, pp_size) in cases:
+        meta = p.decode_request(data)
+        assert isinstance(meta, p.MfMeta)
+        assert (meta.form, meta.reference_version, meta.pp_rank, meta.pp_size) == (form, version, pp_rank, pp_size)
+        assert meta.legacy == (form in (p.MetaForm.REFERENCE, p.MetaForm.REFERENCE_PP))
+    rd2h = p.decode_request(rd2h_meta(blob, engine=b"e", future_key=[1]))
+    assert rd2h == p.MfMeta.from_layers("h", sample_layers(), engine_metadata=b"e")
+    p.check_compatible(rd2h)  # type: ignore[arg-type]
+    assert p.decode_request(rd2h_meta(blob)).engine_metadata == b""  # type: ignore[union-attr]
+
+
+def test_the_reference_newer_form_is_a_legacy_peer_that_keeps_its_pp_fields() -> None:
+    data = pack(b"mf_meta", "10.0.0.1:7000", msgpack.packb({}), 3, 0, 1)
+    meta = p.decode_request(data)
+    assert isinstance(meta, p.MfMeta) and meta.legacy and meta.engine_metadata == b""
+    with pytest.raises(IncompatiblePeerError, match="legacy build.*accept_legacy=True"):
+        p.check_compatible(meta)
+    p.check_compatible(meta, accept_legacy=True)
+    staged = p.decode_request(pack(b"mf_meta", "h", msgpack.packb({}), 3, 1, 2))
+    with pytest.raises(IncompatiblePeerError, match="pipeline stage 1 of 2.*pp_size 1"):
+        p.check_compatible(staged, accept_legacy=True)  # type: ignore[arg-type]
+    with pytest.raises(IncompatiblePeerError, match="pipeline stage"):
+        p.check_compatible(p.MfMeta("h", msgpack.packb({}), pp_rank=0, pp_size=2))
+
+
+def test_rd2h_protocol_2_is_recognised_and_refused() -> None:
+    meta = p.decode_request(pack(b"mf_meta", "h:1", lm.encode_layer_metadata(sample_layers()), 2, 2, b"engine"))
+    assert isinstance(meta, p.MfMeta) and meta.form is p.MetaForm.RD2H_V2 and not meta.legacy
+    assert (meta.protocol_version, meta.layout_version, meta.engine_metadata) == (2, 2, b"engine")
+    for accept_legacy in (False, True):
+        with pytest.raises(IncompatiblePeerError, match="rd2h protocol 2, upgrade"):
+            p.check_compatible(meta, accept_legacy=accept_legacy)
 
 
 def test_unknown_layout_version_stays_opaque_until_layers_is_asked() -> None:
-    meta = p.decode_request(pack(b"mf_meta", "h", b"not msgpack \xc1", 2, 9))
+    meta = p.decode_request(rd2h_meta(b"not msgpack \xc1", layout=9))
     assert isinstance(meta, p.MfMeta) and meta.layout_version == 9
     with pytest.raises(IncompatiblePeerError):
         p.check_compatible(meta)
@@ -250,7 +375,7 @@ OK_LAYER = msgpack.unpackb(lm.encode_layer_metadata({"l": sample_layers()["model
 def meta_with(**changes: object) -> bytes:
     layer = {**OK_LAYER, **changes}
     layer = {k: v for k, v in layer.items() if v is not None}
-    return pack(b"mf_meta", "h", msgpack.packb({"l": layer}), 2, 2)
+    return rd2h_meta(msgpack.packb({"l": layer}))
 
 
 BAD_REQUESTS = [
@@ -295,8 +420,17 @@ BAD_REQUESTS = [
     (pack(b"mf_meta", "h", msgpack.packb([1])), "mf_meta: layer_metadata: expected a map"),
     (pack(b"mf_meta", "h", msgpack.packb({b"l": {}})), "layer names must be non-empty strings"),
     (pack(b"mf_meta", "h", msgpack.packb({"l": 1})), r"layer_metadata\['l'\]: expected a map"),
-    (pack(b"mf_meta", "h", msgpack.packb({}), 0), "protocol_version: 0 is outside"),
-    (pack(b"mf_meta", "h", msgpack.packb({}), 2, 2, "x"), "engine_metadata: expected bytes"),
+    (pack(b"mf_meta", "h", msgpack.packb({}), -1), "reference_version: -1 is outside"),
+    (pack(b"mf_meta", "h", msgpack.packb({}), "2"), "reference_version: expected an integer"),
+    (pack(b"mf_meta", "h", msgpack.packb({}), 2, 1), "pp_rank: 1 is outside 0..0"),
+    (pack(b"mf_meta", "h", msgpack.packb({}), 2, 0, 0), "pp_size: 0 is outside"),
+    (pack(b"mf_meta", "h", msgpack.packb({}), 2, 2, "x"), "pp_size: expected an integer, got str"),
+    (pack(b"mf_meta", "h", msgpack.packb({}), 2, True, 1), "pp_rank: expected an integer, got bool"),
+    (rd2h_meta(msgpack.packb({}), protocol=0), r"mf_meta: rd2h_fields.rd2h: 0 is outside"),
+    (rd2h_meta(msgpack.packb({}), protocol="3"), r"rd2h_fields.rd2h: expected an integer"),
+    (pack(b"mf_meta", "h", msgpack.packb({}), 2, 0, 1, {"rd2h": 3}), r"rd2h_fields.layout: missing"),
+    (rd2h_meta(msgpack.packb({}), layout=1.0), r"rd2h_fields.layout: expected an integer, got float"),
+    (rd2h_meta(msgpack.packb({}), engine="x"), r"rd2h_fields.engine: expected bytes"),
     (meta_with(main_tensor_count=0), "main_tensor_count: 0 is outside"),
     (meta_with(main_tensor_count=3), "base_addrs: has 4 entries, main_tensor_count"),
     (meta_with(has_indexer=False), "has_scale: a scale tensor needs an indexer"),
@@ -332,6 +466,7 @@ def test_bad_requests_raise_remote_protocol_error_naming_the_field(data: bytes, 
         (pack(b"read_failed", 1, b"bytes"), "read_failed: error: expected a string"),
         (pack(b"read_failed", 1, "e", {"a": 1}), "read_failed: failed_ext_ids: expected a tuple or list"),
         (pack(b"read_failed", 1, "e", [""]), r"failed_ext_ids\[0\]: must not be empty"),
+        (pack(b"read_failed", 1, "e", [], 7), r"read_failed: error_kind: expected a string, got int"),
         (b"ACKK", "not one well-formed"),
         (b"AC", "not one well-formed"),
     ],
@@ -394,8 +529,9 @@ def check_decodes_or_refuses(data: bytes) -> None:
         except RemoteProtocolError:
             continue
         assert p.decode(p.encode(msg)) == msg
-        if isinstance(msg, p.MfMeta) and msg.layout_version in (1, 2):
-            msg.layers()  # a decoded mf_meta of a known layout has usable metadata
+        if isinstance(msg, p.MfMeta) and msg.form is not p.MetaForm.RD2H_V2:
+            if msg.layout_version in lm.READ_LAYOUT_VERSIONS:
+                msg.layers()  # a decoded mf_meta of a known layout has usable metadata
     try:
         lm.decode_layer_metadata(data)
     except RemoteProtocolError:
@@ -478,7 +614,7 @@ def test_fuzz_layer_metadata_values(layouts: dict[str, LayerLayout], data: st.Da
         except RemoteProtocolError:
             continue
         assert lm.decode_layer_metadata(lm.encode_layer_metadata(decoded)) == decoded
-    check_decodes_or_refuses(pack(b"mf_meta", "h", blob, 2, 2))
+    check_decodes_or_refuses(rd2h_meta(blob))
 
 
 @ROUND
