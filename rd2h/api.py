@@ -28,11 +28,11 @@ from typing import Any
 from rd2h import plugins
 from rd2h.errors import ConfigError
 from rd2h.layout import LayerLayout
-from rd2h.sink import Sink
+from rd2h.sink import MainSplit, Sink
 from rd2h.source import DecodeEndpoint, SendResult, Source
 from rd2h.tensors import LayerTensors, host_buffer, layer_layout, record_event, tensor_layout
 from rd2h.topology import base_port, decode_ports
-from rd2h.tracking import TerminalState
+from rd2h.outcome import Outcome, TerminalState
 
 __all__ = [
     "LayerTensors",
@@ -41,6 +41,8 @@ __all__ = [
     "DecodeEndpoint",
     "SendResult",
     "TerminalState",
+    "Outcome",
+    "MainSplit",
     "tensor_layout",
     "layer_layout",
     "record_event",
@@ -48,6 +50,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("rd2h.api")
+
+_WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 @contextlib.contextmanager
 def _closed_on_error(resource: Any) -> Iterator[None]:
@@ -69,7 +73,9 @@ class KVSink(Sink):
     Binds ``tcp://host:rank_port`` (``kv_port + dp_rank * tp_size + rank``) now: raises
     PortInUseError if it is taken, PortError if a port leaves 1..65535,
     BackendNotFoundError / BackendUnavailableError for an engine or channel that cannot
-    be loaded. ``endpoint`` is what Prefill needs to reach this Decode instance.
+    be loaded. ``endpoint`` is what Prefill needs to reach this Decode instance: it names
+    ``advertise_host`` (default ``host``), so a sink may bind ``0.0.0.0`` and advertise the
+    address peers route to. ``main_split``, ``request_timeout``: see :class:`~rd2h.sink.Sink`.
     """
 
     def __init__(
@@ -86,11 +92,20 @@ class KVSink(Sink):
         channel: str = "zmq",
         channel_options: Mapping[str, Any] | None = None,
         accept_legacy: bool = False,
+        advertise_host: str | None = None,
+        main_split: MainSplit | str = MainSplit.SHARED,
+        request_timeout: float | None = 300.0,
     ) -> None:
         ports = decode_ports(kv_port, dp_rank, tp_size)  # validates the highest port too
         if not 0 <= rank < tp_size:
             raise ConfigError(f"rank {rank} outside 0..{tp_size - 1}")
-        self.endpoint = DecodeEndpoint(host, base_port(kv_port, dp_rank, tp_size), tp_size)
+        advertised = host if advertise_host is None else advertise_host
+        if advertised in _WILDCARDS:
+            raise ConfigError(
+                f"host {host!r} binds every interface but names none a peer can reach: "
+                "give advertise_host, the address Prefill should dial"
+            )
+        self.endpoint = DecodeEndpoint(advertised, base_port(kv_port, dp_rank, tp_size), tp_size)
         transfer = plugins.load_engine(engine, "decode", **dict(engine_options or {}))
         with _closed_on_error(transfer):
             listener = plugins.load_channel(channel, **dict(channel_options or {})).listen(
@@ -100,6 +115,7 @@ class KVSink(Sink):
                 super().__init__(
                     rank=rank, tp_size=tp_size, engine=transfer, listener=listener,
                     layers=_layouts(layers), accept_legacy=accept_legacy,
+                    main_split=main_split, request_timeout=request_timeout,
                 )
         self.start()
 

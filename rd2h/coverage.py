@@ -1,59 +1,66 @@
-"""Did a contributor announce every layer of every chunk of a request? (Decode side, pure.)
+"""Did a contributor announce every layer of every block of a request? (Decode side, pure.)
 
-Contributor completion (``tracking.ContributorTracker``) trusts the final signal. This
-checks what the final signal claims: for each contributor, the chunks it announced tile
-the request's blocks from 0 without a gap, and each chunk was read on every layer this
-Decode rank holds. A layer Prefill failed to announce, or one lost to an abandoned
-connection, then fails the request instead of leaving a hole in a request called DONE.
+A contributor's final signal is a claim: "you have everything I was to send". Decode
+believes it only if the chunks that contributor announced tile the request's expected
+blocks, from its first block (a cached prefix is not sent) to the end of its destinations,
+and each chunk was read on every layer this Decode rank holds. A final signal that covers
+nothing, a chunk never announced, or a layer lost on the way then fails the request
+instead of calling it DONE with destinations still holding zeros.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 
-__all__ = ["ChunkKey", "CoverageTracker"]
+__all__ = ["ChunkKey", "Coverage"]
 
 # (main_start, main_count, indexer_start, indexer_count) of one announced chunk
 ChunkKey = tuple[int, int, int, int]
 
 
-def _gap(spans: Iterable[tuple[int, int]], what: str) -> str | None:
-    end = 0
+def _gap(spans: Iterable[tuple[int, int]], lo: int, hi: int, what: str) -> str | None:
+    """Why ``spans`` (start, count) do not cover ``[lo, hi)``, or None if they do."""
+    end = lo
     for start, count in sorted(spans):
+        if count == 0 or start + count <= end:
+            continue
         if start > end:
             return f"{what} blocks {end}..{start - 1} were never announced"
-        end = max(end, start + count)
+        end = start + count
+    if end < hi:
+        return f"{what} blocks {end}..{hi - 1} were never announced"
     return None
 
 
-class CoverageTracker:
-    """Per request and contributor: which layers of which chunks were read."""
+class Coverage:
+    """What each contributor of one request announced, and on which layers it was read.
 
-    def __init__(self, layers: Iterable[str]) -> None:
-        self._layers = frozenset(layers)
-        self._seen: dict[str, dict[int, dict[ChunkKey, set[str]]]] = defaultdict(
-            lambda: defaultdict(lambda: defaultdict(set))
-        )
+    ``main_span``/``indexer_span`` are the ``[first, end)`` positions of the request's
+    destination lists that Prefill must send.
+    """
 
-    def record(self, ext_id: str, member: int, layer: str, chunk: ChunkKey) -> None:
-        """Contributor ``member``'s chunk of ``ext_id`` was read on ``layer``."""
-        self._seen[ext_id][member][chunk].add(layer)
+    __slots__ = ("_main", "_indexer", "_seen")
 
-    def missing(self, ext_id: str, member: int) -> str | None:
-        """Why ``member``'s announcements of ``ext_id`` are incomplete, or None if complete."""
-        chunks = self._seen.get(ext_id, {}).get(member, {})
-        for (main_start, main_count, _, _), layers in sorted(chunks.items()):
-            absent = self._layers - layers
+    def __init__(self, main_span: tuple[int, int], indexer_span: tuple[int, int]) -> None:
+        self._main = main_span
+        self._indexer = indexer_span
+        self._seen: dict[int, dict[ChunkKey, set[str]]] = {}
+
+    def record(self, member: int, layer: str, chunk: ChunkKey) -> None:
+        """Contributor ``member``'s ``chunk`` was read on ``layer``."""
+        self._seen.setdefault(member, {}).setdefault(chunk, set()).add(layer)
+
+    def missing(self, member: int, layers: frozenset[str]) -> str | None:
+        """Why ``member``'s announcements are incomplete, or None if they cover everything."""
+        chunks = self._seen.get(member, {})
+        for (main_start, main_count, _, _), read_on in sorted(chunks.items()):
+            absent = layers - read_on
             if absent:
                 shown = ", ".join(sorted(absent)[:3]) + (" ..." if len(absent) > 3 else "")
                 return (
                     f"contributor {member} never announced layer(s) {shown} of the chunk at main "
                     f"block {main_start} ({main_count} blocks)"
                 )
-        return _gap(((c[0], c[1]) for c in chunks), f"contributor {member}: main") or _gap(
-            ((c[2], c[3]) for c in chunks), f"contributor {member}: indexer"
+        return _gap(((c[0], c[1]) for c in chunks), *self._main, f"contributor {member}: main") or _gap(
+            ((c[2], c[3]) for c in chunks), *self._indexer, f"contributor {member}: indexer"
         )
-
-    def forget(self, ext_id: str) -> None:
-        self._seen.pop(ext_id, None)

@@ -68,6 +68,12 @@ class Session(abc.ABC):
     def peer_regions(self) -> tuple[Region, ...]:
         """The regions the peer registered; every remote read must fall inside one."""
 
+    def peer_exited(self) -> bool:
+        """True once the engine knows the peer process is gone (a same-host engine can tell
+        from a pidfd); False when alive or when the engine cannot tell. Must be cheap and
+        must not block: the Decode loop asks between messages."""
+        return False
+
     def close(self) -> None:
         """Forget the peer. Idempotent."""
 

@@ -60,6 +60,10 @@ class OutcomeBook:
         taken, self._ready = self._ready, {}
         return taken
 
+    def peek(self, ext_id: str) -> Outcome:
+        """The settled outcome of ``ext_id``, not consumed (KeyError if none)."""
+        return self._ready[ext_id]
+
     def has_all(self, ext_ids: Iterable[str]) -> bool:
         return all(e in self._ready for e in ext_ids)
 

@@ -1,15 +1,22 @@
 """Decode runtime: readiness -> validate -> one batched read -> exactly one reply.
 
 One :class:`Sink` serves one Decode TP rank. It owns a listener (bound to the rank's
-port) and a background thread that handles every message from every Prefill peer:
+port), the engine sessions of its Prefill peers and a background thread that handles
+every message. All per-request and per-peer state is in a pure
+:class:`~rd2h.receiving.ReceiveTracker`; this module only moves bytes between it, the
+listener and the engine:
 
-- ``mf_meta``: version check, layer layouts decoded, an engine session opened, ACK sent.
-- ``read_ready_batch``: the layer is validated, this rank's share of every request is
-  worked out (:func:`plan_reads`), all of them are read in one ``read_batch``, and one
-  READ_DONE or READ_FAILED goes back. A request that cannot be read fails alone.
+- ``mf_meta``: version check, layer layouts decoded, an engine session opened, ACK sent;
+  a refusal is remembered and sent back, with its reason, in the reply to every readiness
+  of that peer.
+- ``read_ready_batch``: the tracker says which requests to read; the layer is validated,
+  this rank's share planned, everything read in one ``read_batch``, and one READ_DONE or
+  READ_FAILED (naming each failed request) goes back.
+- Between messages: request deadlines and the liveness of peers are checked.
 
-Requests are expected with their destination block ids before Prefill announces them
-(:meth:`Sink.expect`); their terminal states are taken with :meth:`Sink.take_terminal`.
+Requests are expected with their destination block ids (:meth:`Sink.expect`) before
+Prefill announces them; their outcomes are collected with :meth:`Sink.take` or
+:meth:`Sink.wait`, which consume what they return.
 """
 
 from __future__ import annotations
@@ -21,39 +28,27 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from rd2h import protocol
-from rd2h.coverage import CoverageTracker
-from rd2h.errors import BlockRangeError, ProtocolError, RD2HError, StateError
-from rd2h.interfaces import Listener, Session, TransferEngine
-from rd2h.layout import LayerLayout
-from rd2h.planning import LayerPlan, PlanBuilder, RequestRead
-from rd2h.regions import RegionSet, merge_by_device
-from rd2h.topology import indexer_share, main_share
-from rd2h.tracking import (
-    ContributorTracker,
-    RequestState,
-    RequestTracker,
-    TerminalState,
+from rd2h.clock import Clock, monotonic
+from rd2h.errors import (
+    LayoutError,
+    PeerGoneError,
+    ProtocolError,
+    RD2HError,
+    WaitTimeout,
+    wire_kind,
 )
+from rd2h.interfaces import Listener, Session, TransferEngine
+from rd2h.layout import LayerLayout, validate_layer
+from rd2h.planning import LayerPlan, PlanBuilder, RequestRead
+from rd2h.outcome import Outcome
+from rd2h.receiving import Admission, Destinations, MainSplit, ReceiveTracker, plan_reads
+from rd2h.regions import RegionSet, merge_by_device
 
-__all__ = ["Destinations", "LayerStat", "Sink", "plan_reads"]
+__all__ = ["Destinations", "LayerStat", "MainSplit", "Sink"]
 
 log = logging.getLogger("rd2h.sink")
-
-@dataclass(frozen=True, slots=True)
-class Destinations:
-    """Where one request lands on this Decode rank: its main and indexer block ids."""
-
-    main: np.ndarray
-    indexer: np.ndarray
-
-    @classmethod
-    def of(cls, main: Sequence[int], indexer: Sequence[int] | None = None) -> Destinations:
-        main_ids = np.asarray(main, dtype=np.int64).reshape(-1)
-        index_ids = main_ids if indexer is None else np.asarray(indexer, dtype=np.int64).reshape(-1)
-        return cls(main_ids, index_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,61 +61,6 @@ class LayerStat:
     read_seconds: float
     handle_seconds: float
     failed: int
-
-
-def _slice(ids: np.ndarray, lo: int, hi: int, what: str) -> np.ndarray:
-    if hi > len(ids):
-        raise BlockRangeError(
-            f"{what} destinations {lo}..{hi} beyond the {len(ids)} blocks expected for it"
-        )
-    return ids[lo:hi]
-
-
-def plan_reads(
-    batch: protocol.ReadReadyBatch,
-    destinations: Mapping[str, Destinations],
-    *,
-    decode_rank: int,
-    decode_tp: int,
-) -> tuple[list[RequestRead], dict[str, str]]:
-    """This rank's share of every request in ``batch`` (pure).
-
-    Main: only contributor member 0 pulls, split over the Decode TP ranks. Indexer and
-    scale: split over the ``tp_ratio`` contributors. Returns the reads and, per request
-    that cannot be read (unknown, or destinations too short), the reason.
-    """
-    member, ratio = batch.group_member_idx, batch.tp_ratio
-    reads: list[RequestRead] = []
-    refused: dict[str, str] = {}
-    for req in batch.read_reqs:
-        dest = destinations.get(req.ext_req_id)
-        if dest is None:
-            refused[req.ext_req_id] = f"request {req.ext_req_id!r} is not expected on this Decode rank"
-            continue
-        m_lo, m_hi = main_share(len(req.main_block_ids), req.main_start_block, decode_tp, decode_rank, member)
-        i_lo, i_hi = indexer_share(len(req.indexer_block_ids), req.indexer_start_block, ratio, member)
-        m_start, i_start = req.main_start_block, req.indexer_start_block
-        try:
-            dst_main = _slice(dest.main, m_start + m_lo, m_start + m_hi, f"{req.ext_req_id!r} main")
-            dst_index = _slice(dest.indexer, i_start + i_lo, i_start + i_hi, f"{req.ext_req_id!r} indexer")
-        except BlockRangeError as exc:
-            refused[req.ext_req_id] = str(exc)
-            continue
-        src_main, src_index = req.main_ids()[m_lo:m_hi], req.indexer_ids()[i_lo:i_hi]
-        reads.append(RequestRead(req.ext_req_id, src_main, dst_main, src_index, dst_index))
-    return reads, refused
-
-
-def _chunk_key(req: protocol.ReadRequest) -> tuple[int, int, int, int]:
-    return (req.main_start_block, len(req.main_block_ids), req.indexer_start_block, len(req.indexer_block_ids))
-
-
-def _summarize(refused: Mapping[str, str], shown: int = 4) -> str:
-    """One error text for a READ_FAILED that names several requests: each with its reason."""
-    parts = [f"{ext_id!r}: {reason}" for ext_id, reason in list(refused.items())[:shown]]
-    if len(refused) > shown:
-        parts.append(f"and {len(refused) - shown} more")
-    return f"{len(refused)} request(s) failed: " + "; ".join(parts)
 
 
 @dataclass(slots=True)
@@ -140,12 +80,35 @@ class _Counters:
     stats: deque[LayerStat] = field(default_factory=lambda: deque(maxlen=1 << 16))  # the latest layers
 
 
+def _bytes_per_block(layout: LayerLayout) -> tuple[int, int]:
+    """Bytes one main block id and one indexer block id move on this layer."""
+    main = sum(t.block_len * t.block_size_scale for t in layout.main)
+    extra = sum(t.block_len * t.block_size_scale for t in (layout.indexer, layout.scale) if t is not None)
+    return main, extra
+
+
+def _summarize(failures: Mapping[str, RD2HError], shown: int = 4) -> str:
+    """One error text for a READ_FAILED that names several requests: each with its reason."""
+    parts = [f"{ext_id!r}: {error}" for ext_id, error in list(failures.items())[:shown]]
+    if len(failures) > shown:
+        parts.append(f"and {len(failures) - shown} more")
+    return f"{len(failures)} request(s) failed: " + "; ".join(parts)
+
+
+def _failed_reply(layer_idx: int, failures: Mapping[str, RD2HError]) -> protocol.ReadFailed:
+    kinds = {wire_kind(e) for e in failures.values()}
+    kind = kinds.pop() if len(kinds) == 1 else "RD2HError"
+    return protocol.ReadFailed(layer_idx, _summarize(failures), tuple(failures), kind)
+
+
 class Sink:
-    """The Decode runtime of one TP rank. Start it, ``expect`` requests, take results.
+    """The Decode runtime of one TP rank. Start it, ``expect`` requests, collect outcomes.
 
     ``layers`` maps layer names to this rank's destination layouts; their tensors are
-    registered with ``engine`` as destinations. The engine, listener and thread belong to
-    the sink: ``close()`` stops the thread and closes all of them.
+    registered with ``engine`` as destinations. ``main_split`` says how the Decode ranks
+    share main K/V (``shared``: one pool, disjoint shares; ``replicated``: a full copy per
+    rank). ``request_timeout`` is the default deadline of an expected request (None: none).
+    The engine, listener and thread belong to the sink: ``close()`` stops and closes them.
     """
 
     def __init__(
@@ -157,11 +120,16 @@ class Sink:
         listener: Listener,
         layers: Mapping[str, LayerLayout],
         accept_legacy: bool = False,
+        main_split: MainSplit | str = MainSplit.SHARED,
+        request_timeout: float | None = 300.0,
+        clock: Clock = monotonic,
         poll_seconds: float = 0.1,
+        liveness_seconds: float = 0.5,
         on_layer: Callable[[LayerStat], None] | None = None,
     ) -> None:
-        if not 0 <= rank < tp_size:
-            raise RD2HError(f"rank {rank} outside 0..{tp_size - 1}")
+        self._tracker = ReceiveTracker(
+            layers, decode_rank=rank, decode_tp=tp_size, main_split=main_split, request_timeout=request_timeout
+        )
         self.rank, self.tp_size = rank, tp_size
         self._engine, self._listener = engine, listener
         self._layers = dict(layers)
@@ -169,17 +137,13 @@ class Sink:
         self._regions = RegionSet(regions)  # every destination: no write lands outside it
         self._engine.register(merge_by_device(regions))
         self._accept_legacy = accept_legacy
+        self._clock = clock
         self._poll = poll_seconds
+        self._liveness = liveness_seconds
         self._on_layer = on_layer
-        self._peers: dict[bytes, _Peer] = {}
+        self._peers: dict[bytes, _Peer] = {}  # loop thread only
         self._plans = PlanBuilder()  # loop thread only; a plan is read before the next is built
-        self._destinations: dict[str, Destinations] = {}
-        self._requests = RequestTracker()
-        self._contributors = ContributorTracker()
-        self._coverage = CoverageTracker(self._layers)
-        self._lock = threading.Lock()  # guards destinations and trackers (user vs loop thread)
-        self._changed = threading.Condition(self._lock)
-        self._reading: frozenset[str] = frozenset()  # requests whose destinations a read may write
+        self._changed = threading.Condition()  # guards the tracker (user threads vs the loop)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.counters = _Counters()
@@ -190,74 +154,94 @@ class Sink:
     def address(self) -> str:
         return self._listener.address
 
+    @property
+    def main_split(self) -> MainSplit:
+        return self._tracker.main_split
+
     def start(self) -> Sink:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"rd2h-sink-{self.rank}", daemon=True)
             self._thread.start()
         return self
 
-    def expect(self, ext_id: str, main_blocks: Sequence[int], indexer_blocks: Sequence[int] | None = None) -> None:
+    def expect(
+        self,
+        ext_id: str,
+        main_blocks: Sequence[int],
+        indexer_blocks: Sequence[int] | None = None,
+        *,
+        first_block: int = 0,
+        indexer_first_block: int | None = None,
+        deadline: float | None = None,
+    ) -> None:
         """``ext_id`` lands in these destination blocks (in prompt order; the indexer's default
-        to the main ones). Prefill may announce it from now on."""
-        destinations = Destinations.of(main_blocks, indexer_blocks)
-        with self._lock:
-            self._requests.expect(ext_id)
-            self._destinations[ext_id] = destinations
+        to the main ones). Prefill sends positions ``first_block`` on (blocks before it are a
+        prefix this rank has cached); ``deadline`` is seconds from now after which the request
+        fails with DeadlineExceeded (default: the sink's ``request_timeout``).
 
-    def abort(self, ext_id: str) -> None:
-        """Stop writing into ``ext_id``'s destinations; it is still reported terminal.
+        Raises DuplicateRequestError for an id that is live or not yet collected,
+        DestinationError for a block repeated, out of range or held by a live request.
+        """
+        destinations = Destinations.of(main_blocks, indexer_blocks)
+        with self._changed:
+            self._tracker.expect(
+                ext_id, destinations, self._clock(),
+                first_block=first_block, indexer_first_block=indexer_first_block, deadline=deadline,
+            )
+            self._changed.notify_all()  # an early readiness may have failed it at once
+
+    def abort(self, ext_id: str) -> bool:
+        """Stop writing into ``ext_id``'s destinations; it is still reported, ABORTED.
 
         Returns once no read into them is in flight, so the blocks may be reused at once.
+        False (and nothing reported) for an id not live on this rank.
         """
         with self._changed:
-            self._requests.abort(ext_id)
-            self._destinations.pop(ext_id, None)
-            self._changed.notify_all()
-            while ext_id in self._reading:  # bounded: the engine bounds every read
-                self._changed.wait(1.0)
+            found = self._tracker.abort(ext_id, self._clock())
+            self._await_idle(ext_id)
+            return found
 
-    def take_terminal(self) -> dict[str, TerminalState]:
-        """Requests that became terminal on this rank since the last call."""
+    def fail(self, ext_id: str, error: RD2HError) -> bool:
+        """Fail ``ext_id`` with ``error``; like :meth:`abort`, returns once no read writes it."""
         with self._changed:
-            while any(self._requests.state(e) is RequestState.ABORTED for e in self._reading if e in self._requests):
-                self._changed.wait(1.0)  # an aborted request is reported only once no read writes it
-            taken = self._requests.take_terminal()
-            for ext_id in taken:  # reported once: keep nothing, so the id may be expected again
-                self._destinations.pop(ext_id, None)
-                self._contributors.forget(ext_id)
-                self._coverage.forget(ext_id)
-                self._requests.forget(ext_id)
-            return taken
+            found = self._tracker.fail(ext_id, error, self._clock())
+            self._await_idle(ext_id)
+            return found
 
-    def wait(self, ext_ids: Sequence[str], timeout: float) -> dict[str, TerminalState]:
-        """Block until every request in ``ext_ids`` is terminal on this rank; their states.
+    def take(self) -> dict[str, Outcome]:
+        """Every outcome settled on this rank since the last call (consumed)."""
+        with self._changed:
+            return self._tracker.take()
 
-        Raises TimeoutError naming the requests still waiting.
-        """
-        deadline = time.monotonic() + timeout
+    def wait(self, ext_ids: Sequence[str], timeout: float) -> dict[str, Outcome]:
+        """Block until every request in ``ext_ids`` settled on this rank; their outcomes
+        (consumed). Raises WaitTimeout (a TimeoutError) naming those still pending, and
+        consumes nothing then; UnknownRequestError for an id never expected."""
+        until = time.monotonic() + timeout
         with self._changed:
             while True:
-                states = {e: self._requests.state(e) for e in ext_ids}
-                waiting = [e for e, s in states.items() if s in (RequestState.WAITING, RequestState.RECEIVING)]
-                if not waiting:
-                    return {e: TerminalState(s.value) for e, s in states.items()}
-                remaining = deadline - time.monotonic()
+                outcomes = self._tracker.collect(ext_ids)
+                if outcomes is not None:
+                    return outcomes
+                remaining = until - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"rank {self.rank}: still receiving {waiting[:5]} after {timeout:.1f}s")
+                    pending = self._tracker.pending(ext_ids)
+                    raise WaitTimeout(f"Decode rank {self.rank}: {pending[:5]} still pending after {timeout:.1f}s")
                 self._changed.wait(remaining)
 
-    def reason(self, ext_id: str) -> str | None:
-        with self._lock:
-            return self._requests.reason(ext_id)
-
     def close(self) -> None:
-        """Stop the loop, then close the listener and the engine. Idempotent."""
+        """Stop the loop, fail what is still live, close the sessions, listener and engine.
+        Idempotent."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self._poll + 60.0)  # one message in hand: a read is bounded by the engine
             if self._thread.is_alive():
                 log.error("rank %d: loop did not stop; closing under it", self.rank)
             self._thread = None
+        with self._changed:
+            for ext_id in self._tracker.live():
+                self._tracker.fail(ext_id, RD2HError(f"Decode rank {self.rank} closed"), self._clock())
+            self._changed.notify_all()
         for peer in self._peers.values():
             peer.session.close()
         self._peers.clear()
@@ -270,18 +254,28 @@ class Sink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _await_idle(self, ext_id: str) -> None:
+        self._changed.notify_all()
+        while self._tracker.reading(ext_id):  # bounded: the engine bounds every read
+            self._changed.wait(1.0)
+
     # -- loop ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        next_check = 0.0
         while not self._stop.is_set():
             item = self._listener.recv(self._poll)
-            if item is None:
-                continue
-            identity, frame = item
             try:
-                self._handle(identity, frame)
+                if item is not None:
+                    self._handle(*item)
+                with self._changed:
+                    if self._tracker.expire(self._clock()):
+                        self._changed.notify_all()
+                if time.monotonic() >= next_check:  # a cadence, not a timeout: real time
+                    next_check = time.monotonic() + self._liveness
+                    self._check_peers()
             except Exception:  # one bad message must never kill the rank's loop
-                log.exception("rank %d: unexpected error handling a message", self.rank)
+                log.exception("rank %d: unexpected error in the loop", self.rank)
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         try:
@@ -296,90 +290,89 @@ class Sink:
             self._on_ready(identity, message)
 
     def _on_meta(self, identity: bytes, meta: protocol.MfMeta) -> None:
-        try:
-            protocol.check_compatible(meta, accept_legacy=self._accept_legacy)
-            layers = meta.layers()
-            session = self._engine.connect(meta.engine_metadata)
-        except RD2HError as exc:
-            # No ACK: the peer's next readiness gets META_REQUIRED and fails visibly.
-            log.error("rank %d: refused mf_meta from %s: %s", self.rank, meta.p_session, exc)
-            return
         old = self._peers.pop(identity, None)
         if old is not None:
             old.session.close()
-        regions = RegionSet(session.peer_regions)
-        self._peers[identity] = _Peer(meta.p_session, layers, session, regions)
+        try:
+            protocol.check_compatible(meta, accept_legacy=self._accept_legacy)
+            layers = meta.layers()
+            if meta.engine_metadata:
+                session = self._engine.connect(meta.engine_metadata)
+            else:  # a reference-shaped peer: only its session id to go on
+                session = self._engine.connect_legacy(meta.p_session)
+        except RD2HError as exc:
+            # No ACK: every readiness of this peer is answered with this reason instead.
+            log.error("rank %d: refused mf_meta from %s: %s", self.rank, meta.p_session[:80], exc)
+            with self._changed:
+                self._tracker.peer_refused(identity, meta.p_session, exc)
+            return
+        self._peers[identity] = _Peer(meta.p_session, layers, session, RegionSet(session.peer_regions))
+        with self._changed:
+            self._tracker.peer_admitted(identity, meta.p_session)
         self._listener.send(identity, protocol.ACK_FRAME)
 
     def _on_ready(self, identity: bytes, batch: protocol.ReadReadyBatch) -> None:
         started = time.perf_counter()
-        ext_ids = [r.ext_req_id for r in batch.read_reqs]
-        peer = self._peers.get(identity)
-        if peer is None:
-            self._reply_failed(identity, batch, protocol.META_REQUIRED, ext_ids)
+        with self._changed:
+            admission = self._tracker.on_readiness(identity, batch, self._clock())
+        if admission.meta_required:
+            self._send(identity, protocol.ReadFailed.meta_required(batch.layer_idx))
             return
-        src = peer.layers.get(batch.layer_name)
-        dst = self._layers.get(batch.layer_name)
-        if src is None or dst is None:
-            side = "Prefill" if src is None else "Decode"
-            self._fail_layer(identity, batch, f"layer {batch.layer_name!r} unknown on {side}")
-            return
-        with self._lock:
-            readable = {e: self._destinations[e] for e in ext_ids if self._readable(e)}
-            self._reading = frozenset(readable)
+        plan: LayerPlan | None = None
+        read_seconds = 0.0
+        failed: dict[str, RD2HError] = {}
+        nbytes: dict[str, int] = {}
         try:
-            self._read_layer(identity, batch, peer, src, dst, readable, started)
-        finally:
-            with self._changed:
-                self._reading = frozenset()
-                self._changed.notify_all()
-
-    def _read_layer(
-        self,
-        identity: bytes,
-        batch: protocol.ReadReadyBatch,
-        peer: _Peer,
-        src: LayerLayout,
-        dst: LayerLayout,
-        readable: dict[str, Destinations],
-        started: float,
-    ) -> None:
-        reads, refused = plan_reads(batch, readable, decode_rank=self.rank, decode_tp=self.tp_size)
-        try:
-            plan = self._plans.build(
-                src, dst, reads, src_regions=peer.regions, dst_regions=self._regions, layer_name=batch.layer_name
-            )
+            if admission.readable:
+                plan, reads, failed = self._plan(identity, batch, admission)
         except RD2HError as exc:  # a layout mismatch fails the whole layer before any read
-            self._fail_layer(identity, batch, str(exc))
-            return
-        refused.update({e: str(err) for e, err in plan.failed.items()})
-        read_seconds = self._read(peer, plan, refused)
-        try:
-            self._finish(batch, plan.requests, refused)
-        finally:  # whatever happened to our bookkeeping, Prefill gets its one reply
-            self._reply(identity, batch, refused)
+            with self._changed:
+                failures = self._tracker.fail_readable(admission, exc, self._clock())
+                self._changed.notify_all()
+        else:
+            if plan is not None:
+                read_seconds = self._read(identity, plan, failed)
+                nbytes = self._request_bytes(batch.layer_name, reads, failed)
+            with self._changed:
+                failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
+                self._changed.notify_all()
+        self._reply(identity, batch, failures)
         stat = LayerStat(
-            batch.layer_idx, plan.nbytes, len(plan),
-            read_seconds, time.perf_counter() - started, len(refused),
+            batch.layer_idx, 0 if plan is None else plan.nbytes, 0 if plan is None else len(plan),
+            read_seconds, time.perf_counter() - started, len(failures),
         )
         self.counters.stats.append(stat)
         if self._on_layer is not None:
             self._on_layer(stat)
 
-    def _readable(self, ext_id: str) -> bool:
-        return ext_id in self._destinations and self._requests.state(ext_id) in (
-            RequestState.WAITING,
-            RequestState.RECEIVING,
+    def _plan(
+        self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission
+    ) -> tuple[LayerPlan, list[RequestRead], dict[str, RD2HError]]:
+        """This rank's reads of the readable requests, their descriptors and the requests
+        that cannot be read; raises for a layer-wide mismatch."""
+        peer = self._peers[identity]  # admitted peers have a session
+        src = peer.layers.get(batch.layer_name)
+        dst = self._layers.get(batch.layer_name)
+        if src is None or dst is None:
+            side = "Prefill" if src is None else "Decode"
+            raise LayoutError(f"layer {batch.layer_name!r} unknown on {side}")
+        validate_layer(batch.layer_name, src, dst)
+        reads, refused = plan_reads(
+            batch, admission.readable, decode_rank=self.rank, decode_tp=self.tp_size, main_split=self.main_split
         )
+        plan = self._plans.build(
+            src, dst, reads, src_regions=peer.regions, dst_regions=self._regions, layer_name=batch.layer_name
+        )
+        return plan, reads, {**refused, **plan.failed}
 
-    def _read(self, peer: _Peer, plan: LayerPlan, refused: dict[str, str]) -> float:
+    def _read(self, identity: bytes, plan: LayerPlan, failed: dict[str, RD2HError]) -> float:
         if not len(plan):
             return 0.0
         started = time.perf_counter()
         try:
-            self._engine.read_batch(peer.session, plan.local, plan.remote, plan.lengths)
+            self._engine.read_batch(self._peers[identity].session, plan.local, plan.remote, plan.lengths)
         except RD2HError as exc:
-            refused.update({e: f"read failed: {exc}" for e in plan.requests})
+            failed.update({e: exc for e in plan.requests})
             return time.perf_counter() - started
         seconds = time.perf_counter() - started
         self.counters.bytes_read += plan.nbytes
@@ -387,46 +380,41 @@ class Sink:
         self.counters.read_seconds += seconds
         return seconds
 
-    def _finish(self, batch: protocol.ReadReadyBatch, read: Sequence[str], refused: dict[str, str]) -> None:
-        member = batch.group_member_idx
-        chunks = {r.ext_req_id: _chunk_key(r) for r in batch.read_reqs}
-        with self._changed:
-            for ext_id in read:
-                if ext_id not in refused and ext_id in self._requests:  # not taken meanwhile
-                    self._requests.on_layer_read(ext_id)
-                    self._coverage.record(ext_id, member, batch.layer_name, chunks[ext_id])
-            for ext_id, reason in refused.items():
-                if ext_id in self._requests:
-                    self._requests.on_failed(ext_id, reason)
-            for ext_id in batch.done_ext_ids:
-                if ext_id not in self._requests:
-                    continue
-                gap = self._coverage.missing(ext_id, member)
-                if gap is not None:  # the final signal claims more than was read
-                    self._requests.on_failed(ext_id, gap)
-                    continue
-                try:
-                    complete = self._contributors.record_final(ext_id, member, batch.tp_ratio)
-                except StateError as exc:
-                    self._requests.on_failed(ext_id, str(exc))
-                    continue
-                if complete:
-                    self._requests.on_contributors_complete(ext_id)
-            self._changed.notify_all()
+    def _request_bytes(
+        self, layer_name: str, reads: Sequence[RequestRead], failed: Mapping[str, RD2HError]
+    ) -> dict[str, int]:
+        """Bytes read per request on this layer (per request, not per block)."""
+        main_bytes, extra_bytes = _bytes_per_block(self._layers[layer_name])
+        return {
+            r.ext_req_id: len(r.dst_main) * main_bytes + len(r.dst_indexer) * extra_bytes
+            for r in reads if r.ext_req_id not in failed
+        }
 
-    def _fail_layer(self, identity: bytes, batch: protocol.ReadReadyBatch, reason: str) -> None:
-        ext_ids = [r.ext_req_id for r in batch.read_reqs]
-        refused = dict.fromkeys(ext_ids, reason)
-        self._finish(batch, (), refused)
-        self._reply_failed(identity, batch, reason, ext_ids)
-
-    def _reply(self, identity: bytes, batch: protocol.ReadReadyBatch, refused: Mapping[str, str]) -> None:
-        if not refused:
-            self._listener.send(identity, protocol.encode(protocol.ReadDone(batch.layer_idx)))
+    def _reply(self, identity: bytes, batch: protocol.ReadReadyBatch, failures: Mapping[str, RD2HError]) -> None:
+        if not failures:
+            self._send(identity, protocol.ReadDone(batch.layer_idx))
             return
-        self._reply_failed(identity, batch, _summarize(refused), list(refused))
+        log.warning(
+            "rank %d: layer %d failed for %d request(s): %s",
+            self.rank, batch.layer_idx, len(failures), _summarize(failures),
+        )
+        self._send(identity, _failed_reply(batch.layer_idx, failures))
 
-    def _reply_failed(self, identity: bytes, batch: protocol.ReadReadyBatch, error: str, ext_ids: list[str]) -> None:
-        log.warning("rank %d: layer %d failed for %d request(s): %s", self.rank, batch.layer_idx, len(ext_ids), error)
-        reply = protocol.ReadFailed(batch.layer_idx, error, tuple(ext_ids))
-        self._listener.send(identity, protocol.encode(reply))
+    def _send(self, identity: bytes, message: protocol.Reply) -> None:
+        try:
+            self._listener.send(identity, protocol.encode(message))
+        except RD2HError as exc:  # the peer is gone or unreachable: its requests time out or die
+            log.warning("rank %d: could not reply to %r: %s", self.rank, identity, exc)
+
+    def _check_peers(self) -> None:
+        """Fail what a dead Prefill announced, and forget the peer (its session, its fds)."""
+        for identity, peer in list(self._peers.items()):
+            if not peer.session.peer_exited():
+                continue
+            error = PeerGoneError(f"Prefill {peer.p_session[:80]} exited before sending everything")
+            with self._changed:
+                hit = self._tracker.peer_gone(identity, error, self._clock())
+                self._changed.notify_all()
+            log.warning("rank %d: Prefill %s exited; failed %d request(s)", self.rank, peer.p_session[:80], len(hit))
+            peer.session.close()
+            del self._peers[identity]

@@ -1,252 +1,26 @@
-"""Completion tracking on Decode: contributor and request completion, gathering over the
-Decode TP ranks, request id mapping. Pure state machines over ``Enum`` states and
-transition tables; no I/O, no threads. (The Prefill storage-slot gate is ``rd2h.slots``.)
+"""Across the Decode TP ranks: gathering per-rank outcomes, and request id mapping (pure).
 
-An event a table does not allow raises :class:`~rd2h.errors.StateError` naming the state
-and the event; an id a tracker does not know raises :class:`~rd2h.errors.UnknownRequestError`.
+Each rank's requests are tracked by its :class:`~rd2h.receiving.ReceiveTracker`; a worker
+with several ranks (vLLM's TP group) reports a request finished only when every rank has
+settled it, which :class:`CompletionGatherer` decides. :class:`RequestIdMap` maps the
+cross-engine request id to vLLM's internal one.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 
 from rd2h.errors import ConfigError, StateError, UnknownRequestError
-from rd2h.statemachine import count as _count
-from rd2h.statemachine import step as _step
+from rd2h.outcome import TerminalState
 
 __all__ = [
-    "ContributorState",
-    "ContributorTracker",
-    "RequestState",
-    "TerminalState",
-    "RequestTracker",
     "GatherResult",
     "CompletionGatherer",
     "gather_terminal",
     "RequestIdMap",
 ]
-
-# -- contributor completion (Decode) --------------------------------------------------------
-
-
-class ContributorState(Enum):
-    PARTIAL = "partial"  # some of the ratio contributors reported the final layer
-    COMPLETE = "complete"  # all of them did
-
-
-class _FinalEvent(Enum):
-    NEW = "final from a new member"
-    LAST = "final from the last member"
-    DUPLICATE = "final from a member already counted"
-
-
-_CONTRIBUTOR_TRANSITIONS = {
-    (ContributorState.PARTIAL, _FinalEvent.NEW): ContributorState.PARTIAL,
-    (ContributorState.PARTIAL, _FinalEvent.LAST): ContributorState.COMPLETE,
-    (ContributorState.PARTIAL, _FinalEvent.DUPLICATE): ContributorState.PARTIAL,
-    (ContributorState.COMPLETE, _FinalEvent.DUPLICATE): ContributorState.COMPLETE,
-}
-
-
-@dataclass(slots=True)
-class _Group:
-    ratio: int
-    members: set[int] = field(default_factory=set)
-    state: ContributorState = ContributorState.PARTIAL
-
-
-class ContributorTracker:
-    """Per request: which Prefill contributors of this Decode rank reported the final layer."""
-
-    def __init__(self) -> None:
-        self._groups: dict[str, _Group] = {}
-
-    def record_final(self, ext_id: str, member: int, ratio: int) -> bool:
-        """Contributor ``member`` of ``ratio`` reported ``ext_id``'s final layer.
-
-        Returns True on the one call that completes the request; a repeated signal from
-        one member does not count. Raises StateError for a member outside
-        ``0..ratio-1`` or a ratio other than the first one seen for the request.
-        """
-        ratio = _count("ratio", ratio, 1)
-        member = _count("member", member, 0)
-        if member >= ratio:
-            raise StateError(
-                f"request {ext_id!r}: member {member} is outside 0..{ratio - 1} (ratio {ratio})"
-            )
-        group = self._groups.get(ext_id)
-        if group is None:
-            group = self._groups[ext_id] = _Group(ratio)
-        elif group.ratio != ratio:
-            raise StateError(
-                f"request {ext_id!r}: member {member} reports ratio {ratio}, "
-                f"but the request's contributors reported ratio {group.ratio} before"
-            )
-        if member in group.members:
-            event = _FinalEvent.DUPLICATE
-        else:
-            group.members.add(member)
-            event = _FinalEvent.LAST if len(group.members) == ratio else _FinalEvent.NEW
-        group.state = _step(_CONTRIBUTOR_TRANSITIONS, group.state, event, f"request {ext_id!r}")
-        return event is _FinalEvent.LAST
-
-    def is_complete(self, ext_id: str) -> bool:
-        group = self._groups.get(ext_id)
-        return group is not None and group.state is ContributorState.COMPLETE
-
-    def members(self, ext_id: str) -> frozenset[int]:
-        """The members counted so far for ``ext_id`` (empty if none)."""
-        group = self._groups.get(ext_id)
-        return frozenset() if group is None else frozenset(group.members)
-
-    def forget(self, ext_id: str) -> None:
-        """Drop ``ext_id`` (no error if unknown). A later signal starts it afresh."""
-        self._groups.pop(ext_id, None)
-
-    def __contains__(self, ext_id: object) -> bool:
-        return ext_id in self._groups
-
-    def __len__(self) -> int:
-        return len(self._groups)
-
-
-# -- request states per Decode rank ----------------------------------------------------------
-
-
-class RequestState(Enum):
-    WAITING = "waiting"  # expected: destinations known, nothing read yet
-    RECEIVING = "receiving"  # some layer read
-    DONE = "done"  # every contributor reported the final layer
-    FAILED = "failed"  # a read failed; carries the first reason
-    ABORTED = "aborted"  # vLLM aborted it; still reported, so vLLM frees its blocks
-
-
-class TerminalState(Enum):
-    DONE = "done"
-    FAILED = "failed"
-    ABORTED = "aborted"
-
-
-class _RequestEvent(Enum):
-    EXPECT = "expect"
-    LAYER_READ = "layer read"
-    FAIL = "fail"
-    CONTRIBUTORS_COMPLETE = "contributors complete"
-    ABORT = "abort"
-
-
-_R, _V = RequestState, _RequestEvent
-_REQUEST_TRANSITIONS = {
-    (_R.WAITING, _V.LAYER_READ): _R.RECEIVING,
-    (_R.WAITING, _V.CONTRIBUTORS_COMPLETE): _R.DONE,  # zero blocks for this rank
-    (_R.WAITING, _V.FAIL): _R.FAILED,
-    (_R.WAITING, _V.ABORT): _R.ABORTED,
-    (_R.RECEIVING, _V.LAYER_READ): _R.RECEIVING,
-    (_R.RECEIVING, _V.CONTRIBUTORS_COMPLETE): _R.DONE,
-    (_R.RECEIVING, _V.FAIL): _R.FAILED,
-    (_R.RECEIVING, _V.ABORT): _R.ABORTED,
-    (_R.DONE, _V.ABORT): _R.DONE,  # finished before the abort arrived
-    # after a failure the other contributors keep sending: absorbed, first reason kept
-    (_R.FAILED, _V.LAYER_READ): _R.FAILED,
-    (_R.FAILED, _V.FAIL): _R.FAILED,
-    (_R.FAILED, _V.CONTRIBUTORS_COMPLETE): _R.FAILED,
-    (_R.FAILED, _V.ABORT): _R.FAILED,
-    # an aborted request ignores whatever is still in flight for it
-    (_R.ABORTED, _V.EXPECT): _R.ABORTED,
-    (_R.ABORTED, _V.LAYER_READ): _R.ABORTED,
-    (_R.ABORTED, _V.FAIL): _R.ABORTED,
-    (_R.ABORTED, _V.CONTRIBUTORS_COMPLETE): _R.ABORTED,
-    (_R.ABORTED, _V.ABORT): _R.ABORTED,
-}
-_TERMINAL = {
-    RequestState.DONE: TerminalState.DONE,
-    RequestState.FAILED: TerminalState.FAILED,
-    RequestState.ABORTED: TerminalState.ABORTED,
-}
-
-
-class RequestTracker:
-    """Receive state of each request on one Decode rank, keyed by external request id.
-
-    Every request ends terminal (DONE, FAILED or ABORTED) and each terminal state is
-    reported once by :meth:`take_terminal`. ``abort`` of a request not yet expected
-    records it ABORTED (and a later ``expect`` of it is ignored), so an abort never leaves
-    vLLM waiting for blocks that nobody reports. Records stay until ``forget``.
-    """
-
-    def __init__(self) -> None:
-        self._states: dict[str, RequestState] = {}
-        self._reasons: dict[str, str] = {}
-        self._unreported: dict[str, None] = {}  # ordered set
-
-    def expect(self, ext_id: str) -> None:
-        """Destinations for ``ext_id`` are known; raises StateError if already expected."""
-        if ext_id not in self._states:
-            self._states[ext_id] = RequestState.WAITING
-        else:
-            self._event(ext_id, _RequestEvent.EXPECT)
-
-    def on_layer_read(self, ext_id: str) -> None:
-        self._event(ext_id, _RequestEvent.LAYER_READ)
-
-    def on_failed(self, ext_id: str, reason: str) -> None:
-        if self._event(ext_id, _RequestEvent.FAIL) is RequestState.FAILED:
-            self._reasons.setdefault(ext_id, reason)
-
-    def on_contributors_complete(self, ext_id: str) -> None:
-        self._event(ext_id, _RequestEvent.CONTRIBUTORS_COMPLETE)
-
-    def abort(self, ext_id: str) -> None:
-        """vLLM aborted ``ext_id``: it ends ABORTED unless already terminal."""
-        if ext_id not in self._states:
-            self._states[ext_id] = RequestState.ABORTED
-            self._unreported[ext_id] = None
-        else:
-            self._event(ext_id, _RequestEvent.ABORT)
-
-    def take_terminal(self) -> dict[str, TerminalState]:
-        """Requests that became terminal since the last call, each reported once."""
-        taken = {ext_id: _TERMINAL[self._states[ext_id]] for ext_id in self._unreported}
-        self._unreported.clear()
-        return taken
-
-    def state(self, ext_id: str) -> RequestState:
-        """Raises UnknownRequestError if ``ext_id`` is not tracked."""
-        return self._known(ext_id)
-
-    def reason(self, ext_id: str) -> str | None:
-        """The first failure reason of a FAILED request, else None."""
-        return self._reasons.get(ext_id)
-
-    def forget(self, ext_id: str) -> None:
-        """Drop ``ext_id`` (no error if unknown), reported or not."""
-        self._states.pop(ext_id, None)
-        self._reasons.pop(ext_id, None)
-        self._unreported.pop(ext_id, None)
-
-    def __contains__(self, ext_id: object) -> bool:
-        return ext_id in self._states
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def _known(self, ext_id: str) -> RequestState:
-        try:
-            return self._states[ext_id]
-        except KeyError:
-            raise UnknownRequestError(f"request {ext_id!r} is not expected on this rank") from None
-
-    def _event(self, ext_id: str, event: _RequestEvent) -> RequestState:
-        old = self._known(ext_id)
-        new = _step(_REQUEST_TRANSITIONS, old, event, f"request {ext_id!r}")
-        self._states[ext_id] = new
-        if new is not old and new in _TERMINAL:
-            self._unreported[ext_id] = None
-        return new
-
 
 # -- gathering over Decode TP ranks ---------------------------------------------------------
 
@@ -284,7 +58,7 @@ class CompletionGatherer:
         return self._tp_size
 
     def add(self, rank: int, terminal: Mapping[str, TerminalState]) -> None:
-        """Rank ``rank`` reports ``terminal`` (as from its :meth:`RequestTracker.take_terminal`).
+        """Rank ``rank`` reports ``terminal`` (the states of the outcomes it took).
 
         A repeated identical report is ignored; a conflicting one raises StateError.
         """

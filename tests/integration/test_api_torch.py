@@ -8,7 +8,7 @@ import torch
 
 from rd2h.api import KVSink, KVSource, LayerTensors, layer_layout, tensor_layout
 from rd2h.errors import ConfigError
-from rd2h.tracking import TerminalState
+from rd2h.outcome import TerminalState
 
 
 def test_bf16_layers_arrive_bit_exact(kv_port: int) -> None:
@@ -22,7 +22,7 @@ def test_bf16_layers_arrive_bit_exact(kv_port: int) -> None:
         source.add_request("r", sink.endpoint, main_block_ids=[10, 11, 12], num_tokens=150)
         source.send_all({"r": 150})
         assert source.wait_finished(["r"], 10)["r"].ok
-        assert sink.wait(["r"], 10) == {"r": TerminalState.DONE}
+        assert sink.wait(["r"], 10)["r"].state is TerminalState.DONE
     for name in src:
         assert torch.equal(dst[name].main[0][[3, 1, 2]], src[name].main[0][[10, 11, 12]])
         assert torch.equal(dst[name].indexer[[3, 1, 2]], src[name].indexer[[10, 11, 12]])

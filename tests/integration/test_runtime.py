@@ -17,7 +17,7 @@ from rd2h.api import KVSink, KVSource, LayerTensors, layer_layout
 from rd2h.errors import GateTimeout, LayerFailedError
 from rd2h.sink import Sink
 from rd2h.source import DecodeEndpoint
-from rd2h.tracking import TerminalState
+from rd2h.outcome import TerminalState
 
 BLOCK = 16  # tokens per block
 NB = 32  # blocks per tensor
@@ -51,7 +51,7 @@ def test_every_layer_arrives_byte_exact(kv_port: int) -> None:
         source.add_request("r", sink.endpoint, main_block_ids=[1, 2, 3], num_tokens=3 * BLOCK - 5)
         source.send_all({"r": 3 * BLOCK - 5})
         assert source.wait_finished(["r"], 10)["r"].ok
-        assert sink.wait(["r"], 10) == {"r": TerminalState.DONE}
+        assert sink.wait(["r"], 10)["r"].state is TerminalState.DONE
     for name in src:
         assert _same(dst[name], src[name], [9, 4, 20], [1, 2, 3])
 
@@ -117,9 +117,10 @@ def test_layout_mismatch_fails_the_layer_and_writes_nothing(kv_port: int) -> Non
         source.add_request("r", sink.endpoint, main_block_ids=[1, 2], num_tokens=2 * BLOCK)
         source.send_all({"r": 2 * BLOCK})
         result = source.wait_finished(["r"], 10)["r"]
-        assert sink.wait(["r"], 10) == {"r": TerminalState.FAILED}
-        assert "main" in sink.reason("r") and "layer 'bad'" in sink.reason("r")
-    assert result.error is not None and "bad" in result.error
+        outcome = sink.wait(["r"], 10)["r"]
+        assert outcome.state is TerminalState.FAILED
+        assert "main" in str(outcome.error) and "layer 'bad'" in str(outcome.error)
+    assert result.error is not None and "bad" in str(result.error)
     assert _untouched(dst["bad"])
     assert _same(dst["good"], src["good"], [3, 4], [1, 2])
 
@@ -133,9 +134,10 @@ def test_one_bad_request_fails_alone(kv_port: int) -> None:
             source.add_request(ext_id, sink.endpoint, main_block_ids=ids, num_tokens=2 * BLOCK)
         source.send_all({"good": 2 * BLOCK, "short": 2 * BLOCK, "unknown": 2 * BLOCK})
         results = source.wait_finished(["good", "short", "unknown"], 10)
-        assert sink.wait(["good", "short"], 10) == {"good": TerminalState.DONE, "short": TerminalState.FAILED}
+        outcomes = sink.wait(["good", "short"], 10)
+        assert {e: o.state for e, o in outcomes.items()} == {"good": TerminalState.DONE, "short": TerminalState.FAILED}
     assert results["good"].ok
-    assert "beyond" in results["short"].error and "not expected" in results["unknown"].error
+    assert "beyond" in str(results["short"].error) and "not expected" in str(results["unknown"].error)
     assert _same(dst["l"], src["l"], [10, 11], [1, 2])
     assert not dst["l"].main[0][12].any()
 
@@ -150,7 +152,7 @@ def test_restarted_decode_gets_mf_meta_again(kv_port: int) -> None:
                 source.add_request(ext_id, sink.endpoint, main_block_ids=[generation], num_tokens=BLOCK)
                 source.send_all({ext_id: BLOCK})
                 result = source.wait_finished([ext_id], 10)[ext_id]
-                assert sink.wait([ext_id], 10) == {ext_id: TerminalState.DONE}, result
+                assert sink.wait([ext_id], 10)[ext_id].ok, result
             assert _same(dst["l"], src["l"], [dst_block], [generation])
 
 
@@ -159,7 +161,7 @@ def test_aborted_request_is_terminal_and_not_written(kv_port: int) -> None:
     with KVSink(dst, kv_port=kv_port) as sink, KVSource(src, block_size=BLOCK) as source:
         sink.expect("r", main_blocks=[8])
         sink.abort("r")
-        assert sink.take_terminal() == {"r": TerminalState.ABORTED}
+        assert {e: o.state for e, o in sink.take().items()} == {"r": TerminalState.ABORTED}
         source.add_request("r", sink.endpoint, main_block_ids=[1], num_tokens=BLOCK)
         source.send_all({"r": BLOCK})
         assert not source.wait_finished(["r"], 10)["r"].ok

@@ -11,7 +11,7 @@ from rd2h import plugins
 from rd2h.api import KVSink, KVSource, layer_layout
 from rd2h.sink import Sink
 from rd2h.source import DecodeEndpoint
-from rd2h.tracking import TerminalState
+from rd2h.outcome import TerminalState
 
 BLOCK = 16
 
@@ -34,7 +34,7 @@ class _PausingEngine:
 
 def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -> None:
     """A read into a request's blocks is in flight when vLLM aborts it: abort() (and a
-    take_terminal() on another thread) must wait for the read, since vLLM reuses the blocks
+    take() on another thread) must wait for the read, since vLLM reuses the blocks
     as soon as the abort is reported; and Prefill still gets its reply."""
     src, dst = {"l": layer_tensors(True)}, {"l": layer_tensors(False)}
     engine = _PausingEngine(plugins.load_engine("local", "decode"))
@@ -48,7 +48,7 @@ def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -
         aborter = threading.Thread(target=sink.abort, args=("r",))
         aborter.start()
         reported: list[dict[str, TerminalState]] = []
-        taker = threading.Thread(target=lambda: reported.append(sink.take_terminal()))
+        taker = threading.Thread(target=lambda: reported.append(sink.wait(["r"], 10)))
         taker.start()
         aborter.join(0.5)
         taker.join(0.1)
@@ -56,7 +56,7 @@ def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -
         engine.go.set()
         aborter.join(10)
         taker.join(10)
-        assert reported == [{"r": TerminalState.ABORTED}]
+        assert [{e: o.state for e, o in r.items()} for r in reported] == [{"r": TerminalState.ABORTED}]
         assert dst["l"].main[0][5].any()  # the read finished before the abort was reported
         result = source.wait_finished(["r"], 10)["r"]  # Prefill got its reply: no timeout
         assert result.ok

@@ -1,46 +1,60 @@
 """Decode's coverage check: a contributor's final signal is believed only if every layer of
-every chunk it announced was read and the chunks tile the request from block 0."""
+every chunk it announced was read and the chunks tile the request from its first block to
+the end of its destinations."""
 
 from __future__ import annotations
 
-from rd2h.coverage import CoverageTracker
+from rd2h.coverage import Coverage
 
-LAYERS = ("l0", "l1", "l2")
+LAYERS = frozenset(("l0", "l1", "l2"))
 
 
-def _announce(tracker: CoverageTracker, chunk: tuple[int, int, int, int], layers=LAYERS, member: int = 0) -> None:
+def _announce(coverage: Coverage, chunk: tuple[int, int, int, int], layers=LAYERS, member: int = 0) -> None:
     for layer in layers:
-        tracker.record("r", member, layer, chunk)
+        coverage.record(member, layer, chunk)
 
 
 def test_every_layer_of_every_chunk_is_complete() -> None:
-    tracker = CoverageTracker(LAYERS)
-    _announce(tracker, (0, 4, 0, 4))
-    _announce(tracker, (4, 0, 4, 0))  # a step that completed no block
-    _announce(tracker, (4, 3, 4, 3))
-    assert tracker.missing("r", 0) is None
+    coverage = Coverage((0, 7), (0, 7))
+    _announce(coverage, (0, 4, 0, 4))
+    _announce(coverage, (4, 0, 4, 0))  # a step that completed no block
+    _announce(coverage, (4, 3, 4, 3))
+    assert coverage.missing(0, LAYERS) is None
 
 
 def test_a_missing_layer_is_named() -> None:
-    tracker = CoverageTracker(LAYERS)
-    _announce(tracker, (0, 4, 0, 4))
-    _announce(tracker, (4, 3, 4, 3), layers=("l0", "l2"))
-    assert "l1" in tracker.missing("r", 0) and "main block 4" in tracker.missing("r", 0)
+    coverage = Coverage((0, 7), (0, 7))
+    _announce(coverage, (0, 4, 0, 4))
+    _announce(coverage, (4, 3, 4, 3), layers=("l0", "l2"))
+    assert "l1" in coverage.missing(0, LAYERS) and "main block 4" in coverage.missing(0, LAYERS)
 
 
 def test_a_gap_between_chunks_is_named() -> None:
-    tracker = CoverageTracker(LAYERS)
-    _announce(tracker, (0, 4, 0, 4))
-    _announce(tracker, (6, 2, 6, 2))
-    assert tracker.missing("r", 0) == "contributor 0: main blocks 4..5 were never announced"
+    coverage = Coverage((0, 8), (0, 8))
+    _announce(coverage, (0, 4, 0, 4))
+    _announce(coverage, (6, 2, 6, 2))
+    assert coverage.missing(0, LAYERS) == "contributor 0: main blocks 4..5 were never announced"
 
 
-def test_contributors_are_checked_apart_and_forgotten() -> None:
-    tracker = CoverageTracker(LAYERS)
-    _announce(tracker, (0, 2, 0, 2), member=1)
-    assert tracker.missing("r", 1) is None
-    assert tracker.missing("r", 0) is None  # nothing announced: nothing claimed
-    _announce(tracker, (1, 1, 1, 1), member=0)
-    assert "blocks 0..0" in tracker.missing("r", 0)
-    tracker.forget("r")
-    assert tracker.missing("r", 0) is None
+def test_coverage_must_reach_the_end_of_what_was_expected() -> None:
+    coverage = Coverage((0, 2), (0, 2))
+    assert coverage.missing(0, LAYERS) == "contributor 0: main blocks 0..1 were never announced"
+    _announce(coverage, (0, 1, 0, 1))
+    assert coverage.missing(0, LAYERS) == "contributor 0: main blocks 1..1 were never announced"
+    _announce(coverage, (1, 1, 1, 1))
+    assert coverage.missing(0, LAYERS) is None
+
+
+def test_the_span_starts_at_the_first_block_and_indexer_is_checked_apart() -> None:
+    coverage = Coverage((2, 4), (1, 2))
+    _announce(coverage, (2, 2, 1, 0))
+    assert coverage.missing(0, LAYERS) == "contributor 0: indexer blocks 1..1 were never announced"
+    _announce(coverage, (4, 0, 1, 1))
+    assert coverage.missing(0, LAYERS) is None
+
+
+def test_contributors_are_checked_apart() -> None:
+    coverage = Coverage((0, 2), (0, 2))
+    _announce(coverage, (0, 2, 0, 2), member=1)
+    assert coverage.missing(1, LAYERS) is None
+    assert coverage.missing(0, LAYERS) is not None

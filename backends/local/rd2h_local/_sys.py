@@ -139,9 +139,14 @@ class ProcessHandle:
         """Whether the process has exited (a zombie counts), without blocking."""
         fd = self._fd
         if fd is not None:
-            try:  # select, not a shared poll object: several threads may ask at once
-                return bool(select.select([fd], [], [], 0)[0])
-            except (OSError, ValueError):
+            # poll, not select: select refuses fds >= 1024, which a busy Decode reaches, and
+            # taking that refusal for "exited" would fail every read of a live peer. A poll
+            # object per call: several threads may ask at once.
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            try:
+                return bool(poller.poll(0))
+            except OSError:
                 return True
         return self._start is not None and start_time(self.pid) != self._start
 

@@ -161,9 +161,9 @@ def _decode_into(config: DemoConfig, rank: int, pool: memoryview, events: Any, g
             sink.expect(req.ext_id, main_blocks=req.dst_blocks)
         events.put(("ready", "decode", rank, None))
         go.wait()
-        states = sink.wait([r.ext_id for r in work.requests], config.timeout)
+        outcomes = sink.wait([r.ext_id for r in work.requests], config.timeout)
         finished = time.monotonic()
-        failed = {e: f"{s.value}: {sink.reason(e)}" for e, s in states.items() if s.value != "done"}
+        failed = {e: f"{o.state.value}: {o.error}" for e, o in outcomes.items() if not o.ok}
         counters = sink.counters
     return {
         "finished": finished,

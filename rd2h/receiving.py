@@ -1,0 +1,570 @@
+"""Decode's receive tracker: per request and per Prefill peer, as a pure state machine.
+
+One :class:`ReceiveTracker` serves one Decode TP rank. The runtime (``rd2h.sink``) feeds
+it local calls (``expect``, ``abort``, ``fail``), remote messages (a peer admitted or
+refused, a readiness, the result of its read), the clock (``expire``) and peer deaths;
+the tracker answers with what to read and what to tell Prefill. It never raises on remote
+input: a peer's bad, late or repeated message becomes a per-request failure named in the
+reply. Local misuse (expecting a live id again, destinations that overlap) raises.
+
+Invariants, checked by the stateful tests: every expected request settles exactly once
+into an :class:`~rd2h.outcome.Outcome`; nothing settles for an id the caller never
+expected; a settled request leaves no state behind but its uncollected outcome; a request
+whose destinations a read may be writing settles only after that read.
+
+Per request::
+
+    WAITING --read--> RECEIVING --all contributors final and covered--> DONE
+       |                 |
+       +--fail/deadline/peer gone--> FAILED      +--abort--> ABORTED   (from either)
+
+A terminal state absorbs every later event (the first reason is kept).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+
+from rd2h import protocol
+from rd2h.coverage import ChunkKey, Coverage
+from rd2h.errors import (
+    BlockRangeError,
+    ConfigError,
+    DeadlineExceeded,
+    DestinationError,
+    DuplicateRequestError,
+    ProtocolError,
+    RD2HError,
+    StateError,
+    UnknownRequestError,
+)
+from rd2h.layout import LayerLayout
+from rd2h.outcome import Outcome, OutcomeBook, TerminalState
+from rd2h.planning import RequestRead
+from rd2h.statemachine import step
+from rd2h.topology import indexer_share, main_share
+
+__all__ = [
+    "MainSplit",
+    "Destinations",
+    "plan_reads",
+    "ReceiveState",
+    "Admission",
+    "ReceiveTracker",
+]
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class MainSplit(Enum):
+    """How the Decode TP ranks share a request's main K/V blocks."""
+
+    SHARED = "shared"  # one host pool mapped by every rank: ranks read disjoint shares
+    REPLICATED = "replicated"  # every rank owns a full copy (vLLM's paged cache per rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Destinations:
+    """Where one request lands on this Decode rank: its main and indexer block ids."""
+
+    main: Int64Array
+    indexer: Int64Array
+
+    @classmethod
+    def of(cls, main: Sequence[int] | npt.ArrayLike, indexer: Sequence[int] | npt.ArrayLike | None = None) -> Destinations:
+        main_ids = np.asarray(main, dtype=np.int64).reshape(-1)
+        index_ids = main_ids if indexer is None else np.asarray(indexer, dtype=np.int64).reshape(-1)
+        return cls(main_ids, index_ids)
+
+
+def _slice(ids: Int64Array, lo: int, hi: int, what: str) -> Int64Array:
+    if hi > len(ids):
+        raise BlockRangeError(f"{what} destinations {lo}..{hi} beyond the {len(ids)} blocks expected for it")
+    return ids[lo:hi]
+
+
+def plan_reads(
+    batch: protocol.ReadReadyBatch,
+    destinations: Mapping[str, Destinations],
+    *,
+    decode_rank: int,
+    decode_tp: int,
+    main_split: MainSplit = MainSplit.SHARED,
+) -> tuple[list[RequestRead], dict[str, RD2HError]]:
+    """This rank's share of every request in ``batch`` that has destinations (pure).
+
+    Indexer and scale are split over the ``tp_ratio`` contributors. Main: in ``SHARED``
+    mode only contributor 0 pulls, split over the Decode TP ranks; in ``REPLICATED`` mode
+    every rank reads all of it, split over the contributors like the indexer. Returns the
+    reads and, per request whose destinations are too short, the error.
+    """
+    member, ratio = batch.group_member_idx, batch.tp_ratio
+    reads: list[RequestRead] = []
+    refused: dict[str, RD2HError] = {}
+    for req in batch.read_reqs:
+        dest = destinations.get(req.ext_req_id)
+        if dest is None:
+            continue
+        n_main = len(req.main_block_ids)
+        if main_split is MainSplit.SHARED:
+            m_lo, m_hi = main_share(n_main, req.main_start_block, decode_tp, decode_rank, member)
+        else:
+            m_lo, m_hi = indexer_share(n_main, req.main_start_block, ratio, member)
+        i_lo, i_hi = indexer_share(len(req.indexer_block_ids), req.indexer_start_block, ratio, member)
+        m_start, i_start = req.main_start_block, req.indexer_start_block
+        try:
+            dst_main = _slice(dest.main, m_start + m_lo, m_start + m_hi, f"{req.ext_req_id!r} main")
+            dst_index = _slice(dest.indexer, i_start + i_lo, i_start + i_hi, f"{req.ext_req_id!r} indexer")
+        except BlockRangeError as exc:
+            refused[req.ext_req_id] = exc
+            continue
+        src_main, src_index = req.main_ids()[m_lo:m_hi], req.indexer_ids()[i_lo:i_hi]
+        reads.append(RequestRead(req.ext_req_id, src_main, dst_main, src_index, dst_index))
+    return reads, refused
+
+
+# -- per-request state ------------------------------------------------------------------------
+
+
+class ReceiveState(Enum):
+    WAITING = "waiting"  # expected: destinations known, nothing read yet
+    RECEIVING = "receiving"  # some layer read
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+class _Event(Enum):
+    READ = "a layer read"
+    COMPLETE = "every contributor final and covered"
+    FAIL = "a failure"
+    ABORT = "abort"
+
+
+_S, _E = ReceiveState, _Event
+_TRANSITIONS = {
+    (_S.WAITING, _E.READ): _S.RECEIVING,
+    (_S.WAITING, _E.COMPLETE): _S.DONE,
+    (_S.WAITING, _E.FAIL): _S.FAILED,
+    (_S.WAITING, _E.ABORT): _S.ABORTED,
+    (_S.RECEIVING, _E.READ): _S.RECEIVING,
+    (_S.RECEIVING, _E.COMPLETE): _S.DONE,
+    (_S.RECEIVING, _E.FAIL): _S.FAILED,
+    (_S.RECEIVING, _E.ABORT): _S.ABORTED,
+    # terminal states absorb whatever is still in flight; the first outcome stands
+    **{(s, e): s for s in (_S.DONE, _S.FAILED, _S.ABORTED) for e in _E},
+}
+_TERMINAL = {_S.DONE: TerminalState.DONE, _S.FAILED: TerminalState.FAILED, _S.ABORTED: TerminalState.ABORTED}
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    ext_id: str
+    destinations: Destinations
+    coverage: Coverage
+    started: float
+    deadline: float | None
+    state: ReceiveState = ReceiveState.WAITING
+    error: RD2HError | None = None
+    ratio: int | None = None  # the contributor group size, from the first readiness
+    finals: set[int] = field(default_factory=set)  # members whose final signal was believed
+    peers: set[bytes] = field(default_factory=set)  # identities that announced it
+    nbytes: int = 0
+    reading: bool = False  # a read may be writing its destinations now
+
+    def apply(self, event: _Event, error: RD2HError | None = None) -> None:
+        new = step(_TRANSITIONS, self.state, event, f"request {self.ext_id!r}")
+        if new is ReceiveState.FAILED and self.state is not ReceiveState.FAILED:
+            self.error = error
+        self.state = new
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in _TERMINAL
+
+
+# -- per-peer state ---------------------------------------------------------------------------
+
+
+class _PeerState(Enum):
+    ADMITTED = "admitted"  # its mf_meta was accepted: it may announce
+    REFUSED = "refused"  # its mf_meta was refused: every readiness fails with the reason
+
+
+@dataclass(slots=True)
+class _Peer:
+    state: _PeerState
+    p_session: str
+    error: RD2HError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What to do with one readiness: read ``readable``, refuse ``refused`` (named in the
+    reply with their errors), or, with ``meta_required``, ask the peer who it is."""
+
+    readable: dict[str, Destinations]
+    refused: dict[str, RD2HError]
+    meta_required: bool = False
+
+
+def _chunk(req: protocol.ReadRequest) -> ChunkKey:
+    return (req.main_start_block, len(req.main_block_ids), req.indexer_start_block, len(req.indexer_block_ids))
+
+
+# A readiness for an id not (yet) expected is refused; the id is remembered a while so an
+# expect that arrives late (a rendezvous race) fails at once instead of waiting for bytes
+# Prefill will never send again. Bounded in count and age.
+_EARLY_LIMIT = 4096
+_EARLY_SECONDS = 120.0
+
+
+class ReceiveTracker:
+    """Receive state of one Decode rank.
+
+    ``layers`` are this rank's destination layouts (their block counts bound the
+    destinations ``expect`` accepts, their names are the layers coverage requires).
+    ``request_timeout``: seconds after ``expect`` when a request not yet complete fails
+    with DeadlineExceeded (None: no default deadline).
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[str, LayerLayout],
+        *,
+        decode_rank: int = 0,
+        decode_tp: int = 1,
+        main_split: MainSplit | str = MainSplit.SHARED,
+        request_timeout: float | None = None,
+    ) -> None:
+        if not layers:
+            raise ConfigError("a Decode rank needs at least one destination layer")
+        if not 0 <= decode_rank < decode_tp:
+            raise ConfigError(f"decode rank {decode_rank} outside 0..{decode_tp - 1}")
+        try:
+            self.main_split = MainSplit(main_split)
+        except ValueError:
+            modes = ", ".join(m.value for m in MainSplit)
+            raise ConfigError(f"main_split {main_split!r} is not one of: {modes}") from None
+        self.decode_rank, self.decode_tp = decode_rank, decode_tp
+        self.request_timeout = request_timeout
+        self._layer_names = frozenset(layers)
+        self._main_blocks = min(t.num_blocks for layout in layers.values() for t in layout.main)
+        indexers = [layout.indexer.num_blocks for layout in layers.values() if layout.indexer is not None]
+        self._indexer_blocks = min(indexers) if indexers else None
+        # destination blocks held by live requests: no two live requests share one
+        self._main_taken = np.zeros(self._main_blocks, dtype=np.bool_)
+        self._indexer_taken = np.zeros(self._indexer_blocks or 0, dtype=np.bool_)
+        self._requests: dict[str, _Request] = {}
+        self._peers: dict[bytes, _Peer] = {}
+        self._early: OrderedDict[str, float] = OrderedDict()
+        self._book = OutcomeBook()
+        self.malformed = 0  # messages refused before any request could be named
+
+    # -- local calls --------------------------------------------------------------------
+
+    def expect(
+        self,
+        ext_id: str,
+        destinations: Destinations,
+        now: float,
+        *,
+        first_block: int = 0,
+        indexer_first_block: int | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        """``ext_id`` lands in ``destinations``; Prefill sends positions ``first_block`` on
+        (a cached prefix is not sent). ``deadline`` is seconds from ``now`` (default: the
+        tracker's ``request_timeout``).
+
+        Raises DuplicateRequestError if ``ext_id`` is live or its outcome is not collected
+        yet, DestinationError for a block repeated, out of range or held by another live
+        request, ConfigError for a first block past the destinations.
+        """
+        if ext_id in self._requests or ext_id in self._book:
+            raise DuplicateRequestError(f"request {ext_id!r} is already expected on this rank (or not yet collected)")
+        index_first = first_block if indexer_first_block is None else indexer_first_block
+        for what, first, ids in (("main", first_block, destinations.main), ("indexer", index_first, destinations.indexer)):
+            if not 0 <= first <= len(ids):
+                raise ConfigError(f"request {ext_id!r}: {what} first block {first} outside 0..{len(ids)}")
+        self._check_destinations(ext_id, "main", destinations.main, self._main_taken)
+        if self._indexer_blocks is not None:
+            self._check_destinations(ext_id, "indexer", destinations.indexer, self._indexer_taken)
+        self._hold(destinations, True)
+        timeout = self.request_timeout if deadline is None else deadline
+        request = _Request(
+            ext_id,
+            destinations,
+            Coverage((first_block, len(destinations.main)), (index_first, len(destinations.indexer))),
+            started=now,
+            deadline=None if timeout is None else now + timeout,
+        )
+        self._requests[ext_id] = request
+        if self._early.pop(ext_id, None) is not None:
+            self._fail(request, StateError(
+                f"request {ext_id!r}: Prefill announced it before Decode expected it (a rendezvous "
+                "race); it was refused then and will not be sent again"
+            ), now)
+
+    def abort(self, ext_id: str, now: float) -> bool:
+        """Stop writing into ``ext_id``'s destinations; it settles ABORTED (once no read is
+        writing them). False, and nothing recorded, for an id not live here."""
+        request = self._requests.get(ext_id)
+        if request is None:
+            return False
+        request.apply(_Event.ABORT)
+        self._settle_if_idle(request, now)
+        return True
+
+    def fail(self, ext_id: str, error: RD2HError, now: float) -> bool:
+        """Fail ``ext_id`` with ``error`` (a local decision). False for an id not live here."""
+        request = self._requests.get(ext_id)
+        if request is None:
+            return False
+        self._fail(request, error, now)
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Fail every live request whose deadline passed; their ids."""
+        late = [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline and not r.terminal]
+        for request in late:
+            waited = now - request.started
+            self._fail(request, DeadlineExceeded(
+                f"request {request.ext_id!r}: not complete {waited:.1f}s after it was expected "
+                f"({request.state.value}; contributors final: {sorted(request.finals)})"
+            ), now)
+        while self._early and now - next(iter(self._early.values())) > _EARLY_SECONDS:
+            self._early.popitem(last=False)
+        return [r.ext_id for r in late]
+
+    # -- collecting outcomes ------------------------------------------------------------
+
+    def take(self) -> dict[str, Outcome]:
+        """Every outcome settled since the last call (consumed)."""
+        return self._book.take()
+
+    def collect(self, ext_ids: Iterable[str]) -> dict[str, Outcome] | None:
+        """The outcomes of ``ext_ids`` if all are settled (consumed), else None (nothing
+        consumed). Raises UnknownRequestError for an id neither live nor settled."""
+        ids = list(ext_ids)
+        unknown = [e for e in ids if e not in self._requests and e not in self._book]
+        if unknown:
+            raise UnknownRequestError(f"request(s) {unknown[:5]} not expected on this rank (or already collected)")
+        if not self._book.has_all(ids):
+            return None
+        return self._book.pop(ids)
+
+    def pending(self, ext_ids: Iterable[str]) -> list[str]:
+        return [e for e in ext_ids if e not in self._book]
+
+    def state(self, ext_id: str) -> ReceiveState:
+        """The state of a live request, or of a settled one not yet collected."""
+        request = self._requests.get(ext_id)
+        if request is not None:
+            return request.state
+        if ext_id in self._book:
+            return ReceiveState(self._book.peek(ext_id).state.value)
+        raise UnknownRequestError(f"request {ext_id!r} is not tracked on this rank")
+
+    def live(self) -> list[str]:
+        """Requests expected and not yet settled."""
+        return list(self._requests)
+
+    def reading(self, ext_id: str) -> bool:
+        request = self._requests.get(ext_id)
+        return request is not None and request.reading
+
+    def __contains__(self, ext_id: object) -> bool:
+        return ext_id in self._requests or ext_id in self._book
+
+    def __len__(self) -> int:
+        """Live requests (settled ones not counted)."""
+        return len(self._requests)
+
+    # -- remote input -------------------------------------------------------------------
+
+    def peer_admitted(self, identity: bytes, p_session: str) -> None:
+        """The peer's mf_meta was accepted (a repeated one replaces the earlier)."""
+        self._peers[identity] = _Peer(_PeerState.ADMITTED, p_session)
+
+    def peer_refused(self, identity: bytes, p_session: str, error: RD2HError) -> None:
+        """The peer's mf_meta was refused: its readiness fails with ``error`` from now on."""
+        self._peers[identity] = _Peer(_PeerState.REFUSED, p_session, error)
+
+    def peer_gone(self, identity: bytes, error: RD2HError, now: float) -> list[str]:
+        """The peer died or was dropped: fail the live requests it announced; their ids."""
+        self._peers.pop(identity, None)
+        hit = [r for r in self._requests.values() if identity in r.peers and not r.terminal]
+        for request in hit:
+            self._fail(request, error, now)
+        return [r.ext_id for r in hit]
+
+    def peers(self) -> dict[bytes, str]:
+        """Admitted peers: identity -> p_session."""
+        return {i: p.p_session for i, p in self._peers.items() if p.state is _PeerState.ADMITTED}
+
+    def on_readiness(self, identity: bytes, batch: protocol.ReadReadyBatch, now: float) -> Admission:
+        """A readiness arrived: which of its requests to read now (marked as being read)."""
+        peer = self._peers.get(identity)
+        if peer is None:
+            return Admission({}, {}, meta_required=True)
+        readable: dict[str, Destinations] = {}
+        refused: dict[str, RD2HError] = {}
+        for req in batch.read_reqs:
+            ext_id = req.ext_req_id
+            if ext_id in readable or ext_id in refused:
+                refused[ext_id] = ProtocolError(f"request {ext_id!r} is named twice in one readiness")
+                readable.pop(ext_id, None)
+                continue
+            if peer.state is _PeerState.REFUSED:
+                refused[ext_id] = peer.error or ProtocolError("mf_meta refused")
+                request = self._requests.get(ext_id)
+                if request is not None:  # fail it here too: both sides agree
+                    self._fail(request, refused[ext_id], now)
+                continue
+            refused_why = self._why_unreadable(ext_id, now)
+            if refused_why is not None:
+                refused[ext_id] = refused_why
+                continue
+            request = self._requests[ext_id]
+            request.peers.add(identity)
+            request.reading = True
+            readable[ext_id] = request.destinations
+        return Admission(readable, refused)
+
+    def on_read(
+        self,
+        identity: bytes,
+        batch: protocol.ReadReadyBatch,
+        admission: Admission,
+        failed: Mapping[str, RD2HError],
+        nbytes: Mapping[str, int],
+        now: float,
+    ) -> dict[str, RD2HError]:
+        """The read that ``admission`` allowed finished; ``failed`` are the requests it did not
+        read. Applies the layer and the final signals; returns every request to name as
+        failed in the reply (the refused, the failed, and finals that claim what was not
+        read), so Prefill's outcome agrees with Decode's."""
+        reply_failures = dict(admission.refused)
+        chunks = {r.ext_req_id: _chunk(r) for r in batch.read_reqs}
+        member = batch.group_member_idx
+        for ext_id in admission.readable:
+            request = self._requests.get(ext_id)
+            if request is None:
+                continue
+            request.reading = False
+            error = failed.get(ext_id)
+            if error is not None:
+                reply_failures[ext_id] = error
+                self._fail(request, error, now)
+                continue
+            request.apply(_Event.READ)
+            request.nbytes += nbytes.get(ext_id, 0)
+            request.coverage.record(member, batch.layer_name, chunks[ext_id])
+        for ext_id in batch.done_ext_ids:
+            request = self._requests.get(ext_id)
+            if request is None or request.terminal or ext_id not in admission.readable:
+                continue
+            error = self._final(request, member, batch.tp_ratio)
+            if error is not None:
+                reply_failures[ext_id] = error
+                self._fail(request, error, now)
+        for ext_id in admission.readable:  # an abort or failure that came during the read
+            request = self._requests.get(ext_id)
+            if request is not None:
+                self._settle_if_idle(request, now)
+        return reply_failures
+
+    def fail_readable(self, admission: Admission, error: RD2HError, now: float) -> dict[str, RD2HError]:
+        """The whole layer failed before any read (a layout mismatch): fail every request the
+        admission allowed; the reply names them and the refused ones."""
+        failures = dict(admission.refused)
+        for ext_id in admission.readable:
+            request = self._requests.get(ext_id)
+            if request is None:
+                continue
+            request.reading = False
+            failures[ext_id] = error
+            self._fail(request, error, now)
+        return failures
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _why_unreadable(self, ext_id: str, now: float) -> RD2HError | None:
+        request = self._requests.get(ext_id)
+        if request is not None:
+            if request.terminal:
+                return StateError(f"request {ext_id!r} is already {request.state.value} on Decode")
+            return None
+        if ext_id in self._book:
+            outcome = self._book.peek(ext_id)
+            return StateError(f"request {ext_id!r} already finished on Decode ({outcome.state.value}); not read again")
+        self._early[ext_id] = now
+        self._early.move_to_end(ext_id)
+        while len(self._early) > _EARLY_LIMIT:
+            self._early.popitem(last=False)
+        return UnknownRequestError(f"request {ext_id!r} is not expected on this Decode rank")
+
+    def _final(self, request: _Request, member: int, ratio: int) -> RD2HError | None:
+        """Contributor ``member`` says it sent everything; None if believed (and counted)."""
+        if request.ratio is None:
+            request.ratio = ratio
+        elif request.ratio != ratio:
+            return ProtocolError(
+                f"request {request.ext_id!r}: member {member} reports tp_ratio {ratio}, "
+                f"earlier contributors reported {request.ratio}"
+            )
+        gap = request.coverage.missing(member, self._layer_names)
+        if gap is not None:
+            return BlockRangeError(f"request {request.ext_id!r}: final signal, but {gap}")
+        request.finals.add(member)
+        if len(request.finals) == ratio:
+            request.apply(_Event.COMPLETE)
+        return None
+
+    def _check_destinations(self, ext_id: str, what: str, ids: Int64Array, taken: npt.NDArray[np.bool_]) -> None:
+        limit = len(taken)
+        if len(ids) and (ids.min() < 0 or ids.max() >= limit):
+            bad = int(ids[(ids < 0) | (ids >= limit)][0])
+            raise DestinationError(f"request {ext_id!r}: {what} destination block {bad} outside 0..{limit - 1}")
+        if len(np.unique(ids)) != len(ids):
+            values, counts = np.unique(ids, return_counts=True)
+            raise DestinationError(f"request {ext_id!r}: {what} destination block {int(values[counts > 1][0])} given twice")
+        clash = taken[ids]
+        if clash.any():
+            block = int(ids[np.argmax(clash)])
+            owner = next(
+                (r.ext_id for r in self._requests.values()
+                 if block in (r.destinations.main if what == "main" else r.destinations.indexer)),
+                "another request",
+            )
+            raise DestinationError(f"request {ext_id!r}: {what} destination block {block} is held by live request {owner!r}")
+
+    def _fail(self, request: _Request, error: RD2HError, now: float) -> None:
+        request.apply(_Event.FAIL, error)
+        self._settle_if_idle(request, now)
+
+    def _settle_if_idle(self, request: _Request, now: float) -> None:
+        if not request.terminal or request.reading:
+            return
+        del self._requests[request.ext_id]
+        self._hold(request.destinations, False)
+        self._book.settle(Outcome(
+            request.ext_id,
+            _TERMINAL[request.state],
+            request.error if request.state is ReceiveState.FAILED else None,
+            request.nbytes,
+            request.started,
+            now,
+        ))
+
+    def _hold(self, destinations: Destinations, held: bool) -> None:
+        self._main_taken[destinations.main] = held
+        if self._indexer_blocks is not None:
+            self._indexer_taken[destinations.indexer] = held
