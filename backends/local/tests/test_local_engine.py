@@ -475,3 +475,38 @@ def test_failure_in_one_share_stops_the_others_and_is_raised(monkeypatch):
         session = engine.connect(engine.register([Region(buf.src_addr, buf.src.nbytes), Region(buf.dst_addr, buf.dst.nbytes)]))
         with pytest.raises(TransferError, match="EFAULT"):
             engine.read_batch(session, *arrays(buf, [(0, 0, 8 << 20)]))
+
+
+def test_a_live_peer_behind_a_high_fd_is_alive():
+    """Issue 9 D4: the pidfd check used select(), which refuses fds >= 1024; the refusal was
+    taken for "peer exited", so every read from a Prefill that connected after Decode had
+    opened ~1,000 fds failed while the peer was alive."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.fail(f"RLIMIT_NOFILE hard limit {hard} is too low to open fd 1024 here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    fillers = []
+    try:
+        while True:  # push the next fd the kernel hands out above 1023
+            fd = os.open(os.devnull, os.O_RDONLY)
+            fillers.append(fd)
+            if fd >= 1024:
+                break
+        handle = _sys.ProcessHandle(child.pid, _sys.start_time(child.pid))
+        try:
+            assert handle._fd is not None and handle._fd >= 1024
+            assert handle.exited() is False
+            child.stdin.close()
+            child.wait(10)
+            assert handle.exited() is True
+        finally:
+            handle.close()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        if child.poll() is None:
+            child.kill()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
