@@ -1,0 +1,89 @@
+"""Everything that touches the mooncake wheel: finding it, its environment knobs, importing it.
+
+Mooncake reads its timeouts and queue limits from environment variables when an engine
+starts, so they are process-wide: the first engine of a process sets them and a later
+engine asking for other values is refused (``ConfigError``) instead of silently running
+with the first one's.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib.util
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+
+from rd2h.errors import BackendUnavailableError, ConfigError
+
+__all__ = ["Knobs", "environment", "import_engine", "apply", "peer_reachable", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'rd2h[mooncake]' (the wheel mooncake-transfer-engine-non-cuda)"
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """Mooncake's own bounds, as engine options; each maps to one environment variable."""
+
+    transfer_timeout_s: int  # MC_TRANSFER_TIMEOUT: a batch not done by then fails
+    progress_timeout_s: int  # MC_TCP_PROGRESS_TIMEOUT_SEC: a TCP connection silent that long is dropped
+    max_queued_per_peer: int  # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER: more entries than this fail at once
+
+    def env(self) -> dict[str, str]:
+        return {
+            "MC_TRANSFER_TIMEOUT": str(self.transfer_timeout_s),
+            "MC_TCP_PROGRESS_TIMEOUT_SEC": str(self.progress_timeout_s),
+            "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(self.max_queued_per_peer),
+        }
+
+
+_lock = threading.Lock()
+_applied: Knobs | None = None
+
+
+def environment() -> tuple[bool, str]:
+    """Whether mooncake can start here; imports and starts nothing."""
+    if importlib.util.find_spec("mooncake") is None:
+        return False, f"mooncake is not installed ({INSTALL_HINT})"
+    # engine.so links libibverbs even for TCP; without it the import fails with a loader error
+    if ctypes.util.find_library("ibverbs") is None:
+        return False, "mooncake's engine needs libibverbs.so.1 even for TCP: apt-get install libibverbs1 librdmacm1"
+    return True, ""
+
+
+def import_engine() -> ModuleType:
+    try:
+        import mooncake.engine as engine
+    except ImportError as exc:
+        raise BackendUnavailableError(f"mooncake cannot be imported ({exc}); {INSTALL_HINT}") from exc
+    except OSError as exc:  # its shared libraries failed to load
+        raise BackendUnavailableError(f"mooncake cannot load its libraries: {exc}") from exc
+    return engine
+
+
+def apply(knobs: Knobs) -> None:
+    """Put ``knobs`` in the environment before the process's first engine starts.
+
+    Raises ``ConfigError`` when an engine of this process already runs with other values.
+    """
+    global _applied
+    with _lock:
+        if _applied is not None and _applied != knobs:
+            raise ConfigError(
+                f"mooncake reads its timeouts and queue limit once per process: this process runs with "
+                f"{_applied}, and an engine asked for {knobs}; use the same values in every engine of a process"
+            )
+        os.environ.update(knobs.env())
+        _applied = knobs
+
+
+def peer_reachable(session_id: str, timeout: float) -> bool:
+    """Whether something accepts a TCP connection at the peer's handshake address."""
+    host, _, port = session_id.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
