@@ -50,9 +50,10 @@ def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -
         reported: list[dict[str, TerminalState]] = []
         taker = threading.Thread(target=lambda: reported.append(sink.wait(["r"], 10)))
         taker.start()
-        aborter.join(0.5)
-        taker.join(0.1)
-        assert aborter.is_alive() and taker.is_alive()  # both wait for the read in flight
+        # the abort is recorded at once; returning must wait until the read ends
+        with sink._changed:
+            assert sink._changed.wait_for(lambda: sink._tracker.state("r").value == "aborted", 10)
+        assert aborter.is_alive() and taker.is_alive() and reported == []
         engine.go.set()
         aborter.join(10)
         taker.join(10)
