@@ -192,7 +192,7 @@ class _Group:
         ctx = self.ctx
         for name, s, d in zip(self.names, self.src, self.dst):
             for side, t, ids, regions in (("remote", s, self.S, src_regions), ("local", d, self.D, dst_regions)):
-                intervals = regions.block_intervals(t.base_addr, t.stride, t.num_blocks)
+                intervals = regions.block_intervals(t.base_addr, t.stride, t.num_blocks, t.block_bytes)
                 if intervals == [(0, t.num_blocks)] or ids.size == 0:
                     continue  # every in-range id lies inside (ids out of range failed already)
                 outside = _outside(ids, intervals)
@@ -206,7 +206,7 @@ class _Group:
                         r,
                         RegionError(
                             f"{ctx.layer}{side} {name} of request {ctx.ext_ids[r]!r}: "
-                            f"{describe_range(addr, t.stride)} is outside the registered regions"
+                            f"{describe_range(addr, t.block_bytes)} is outside the registered regions"
                         ),
                     )
 
@@ -322,7 +322,8 @@ def build_layer_plan(
 
     Descriptors are in tensor-major order (main[0], main[1], ..., indexer, scale), in
     request order within a tensor, and consecutive blocks contiguous on both sides are
-    merged into one descriptor. The plan's arrays are freshly allocated; ``PlanBuilder``
+    merged into one descriptor (only in tensors dense on both sides: a padded tensor's
+    blocks are not contiguous, so each is its own descriptor of ``block_bytes``). The plan's arrays are freshly allocated; ``PlanBuilder``
     reuses them instead.
     """
     return _build(src, dst, reads, src_regions, dst_regions, layer_name, _Scratch(keep=False))
@@ -378,27 +379,33 @@ def _build(
         for g in groups:
             g.drop(keep_req)
 
-    plan_runs = [(g, *g.runs()) for g in groups]
-    total = sum(len(g.names) * s_start.size for g, s_start, _, _ in plan_runs)
+    # A run of consecutive ids is one copy only in tensors dense on both sides; a padded
+    # tensor (stride above its block's bytes) gets one descriptor per block.
+    pieces: list[tuple[TensorLayout, TensorLayout, int, Int64Array, Int64Array, Int64Array | None]] = []
+    for g in groups:
+        pairs = list(zip(g.src, g.dst))
+        s_start, d_start, run = g.runs() if any(s.dense and d.dense for s, d in pairs) else (g.S, g.D, None)
+        for s, d in pairs:
+            ids = (s_start, d_start, run) if s.dense and d.dense else (g.S, g.D, None)
+            pieces.append((s, d, g.S.size, *ids))
+    total = sum(p[3].size for p in pieces)
     local = scratch.take("local", total)
     remote = scratch.take("remote", total)
     lengths = scratch.take("lengths", total)
-    at = blocks = nbytes = 0
-    for g, s_start, d_start, run in plan_runs:
-        k = s_start.size
-        blocks += g.S.size
-        for s, d in zip(g.src, g.dst):
-            seg = slice(at, at + k)
-            np.multiply(s_start, s.stride, out=remote[seg])
-            remote[seg] += s.base_addr
-            np.multiply(d_start, d.stride, out=local[seg])
-            local[seg] += d.base_addr
-            if run is None:
-                lengths[seg] = s.stride
-            else:
-                np.multiply(run, s.stride, out=lengths[seg])
-            nbytes += g.S.size * s.stride
-            at += k
+    at = nbytes = 0
+    blocks = sum(g.S.size for g in groups)
+    for s, d, count, s_ids, d_ids, run in pieces:
+        seg = slice(at, at + s_ids.size)
+        np.multiply(s_ids, s.stride, out=remote[seg])
+        remote[seg] += s.base_addr
+        np.multiply(d_ids, d.stride, out=local[seg])
+        local[seg] += d.base_addr
+        if run is None:
+            lengths[seg] = s.block_bytes
+        else:
+            np.multiply(run, s.block_bytes, out=lengths[seg])
+        nbytes += count * s.block_bytes
+        at = seg.stop
     if scratch.keep:
         for a in (local, remote, lengths):
             a.flags.writeable = False

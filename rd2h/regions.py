@@ -108,21 +108,25 @@ class RegionSet:
         i = int(np.searchsorted(self._starts, addr, side="right")) - 1
         return i >= 0 and length <= int(self._ends[i]) - addr
 
-    def block_intervals(self, base: int, stride: int, num_blocks: int) -> list[tuple[int, int]]:
-        """The id ranges ``[lo, hi)`` of blocks ``[base + id * stride, base + (id + 1) * stride)``,
-        ``0 <= id < num_blocks``, that lie inside the set; sorted and disjoint.
+    def block_intervals(
+        self, base: int, stride: int, num_blocks: int, length: int | None = None
+    ) -> list[tuple[int, int]]:
+        """The id ranges ``[lo, hi)`` of blocks ``[base + id * stride, base + id * stride + length)``,
+        ``0 <= id < num_blocks``, that lie inside the set; sorted and disjoint. ``length``
+        (the bytes of one block) defaults to ``stride``: dense blocks.
 
         Checking ids against these is cheaper than looking up every block's address.
         """
-        if num_blocks <= 0 or stride <= 0:
+        length = stride if length is None else length
+        if num_blocks <= 0 or stride <= 0 or length <= 0:
             return []
-        end = base + stride * num_blocks
+        end = base + stride * (num_blocks - 1) + length
         first = int(np.searchsorted(self._ends, base, side="right"))  # first range ending after base
         last = int(np.searchsorted(self._starts, end, side="left"))  # ranges starting before end
         out = []
         for s, e in zip(self._starts[first:last].tolist(), self._ends[first:last].tolist()):
             lo = max(0, -((base - s) // stride))  # first block starting at or after s
-            hi = min(num_blocks, (e - base) // stride)  # blocks ending at or before e
+            hi = min(num_blocks, (e - length - base) // stride + 1)  # blocks ending at or before e
             if lo < hi:
                 out.append((lo, hi))
         return out

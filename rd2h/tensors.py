@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from rd2h.errors import ConfigError
-from rd2h.layout import LayerLayout, TensorLayout
+from rd2h.layout import LayerLayout, LayoutTag, TensorLayout
 
-__all__ = ["LayerTensors", "tensor_layout", "layer_layout", "record_event", "host_buffer"]
+__all__ = ["LayerTensors", "tensor_layout", "layout_tag", "layer_layout", "record_event", "host_buffer"]
 
 log = logging.getLogger("rd2h.tensors")
 
@@ -38,32 +38,71 @@ class LayerTensors:
 
 
 def tensor_layout(tensor: Any, block_size_scale: int = 1) -> TensorLayout:
-    """The layout of a contiguous tensor whose dimension 0 indexes blocks.
+    """The layout of a tensor whose dimension 0 indexes blocks.
 
-    Accepts torch tensors (``data_ptr``) and numpy arrays (``ctypes.data``); raises
-    ConfigError for a non-contiguous or empty tensor.
+    Each block (``tensor[i]``) must be contiguous; the blocks need not be adjacent: where
+    ``stride(0)`` exceeds a block's bytes (padded pages, or block-outermost views of one big
+    allocation) the layout gets that ``block_stride`` and only the blocks' bytes move.
+    Accepts torch tensors (``data_ptr``) and numpy arrays (``ctypes.data``). Raises
+    ConfigError for an empty tensor, a block that is not contiguous, blocks that overlap or
+    run backwards, or a block whose bytes do not split into ``block_size_scale`` rows.
     """
     if hasattr(tensor, "data_ptr"):  # torch
-        if not tensor.is_contiguous():
-            raise ConfigError("tensor must be contiguous (call .contiguous() once at allocation)")
-        addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        device = tensor.device.type
+        addr, itemsize, device = tensor.data_ptr(), tensor.element_size(), tensor.device.type
+        strides = tuple(s * itemsize for s in tensor.stride())
     elif hasattr(tensor, "ctypes"):  # numpy
-        if not tensor.flags.c_contiguous:
-            raise ConfigError("array must be C-contiguous")
-        addr, nbytes, device = tensor.ctypes.data, tensor.nbytes, "cpu"
+        addr, itemsize, device = tensor.ctypes.data, tensor.itemsize, "cpu"
+        strides = tuple(tensor.strides)
     else:
         raise ConfigError(f"expected a torch tensor or numpy array, got {type(tensor).__name__}")
-    if tensor.ndim < 1 or tensor.shape[0] == 0 or nbytes == 0:
-        raise ConfigError(f"tensor of shape {tuple(tensor.shape)} has no blocks")
+    shape = tuple(int(n) for n in tensor.shape)
+    block_elems = int(np.prod(shape[1:], dtype=np.int64))
+    if not shape or shape[0] == 0 or block_elems == 0:
+        raise ConfigError(f"tensor of shape {shape} has no blocks")
+    if not _dense(shape[1:], strides[1:], itemsize):
+        raise ConfigError(
+            f"each block of a tensor of shape {shape} and byte strides {strides} must be "
+            "contiguous: dimension 0 indexes blocks and only it may step over padding"
+        )
+    num_blocks, block_bytes = shape[0], block_elems * itemsize
+    step = strides[0] if num_blocks > 1 else block_bytes  # one block: its stride means nothing
+    if step < block_bytes:
+        raise ConfigError(
+            f"blocks of a tensor of shape {shape} overlap or run backwards: stride(0) is {step} bytes, "
+            f"a block is {block_bytes}"
+        )
+    if block_bytes % block_size_scale:
+        raise ConfigError(f"a block of {block_bytes} bytes does not split into {block_size_scale} rows")
     if addr % _ALIGNMENT:
         log.warning(
             "tensor at %#x is not %d-byte aligned: transfers into or out of it run at about half "
             "speed; allocate it with rd2h.api.host_buffer (or torch)", addr, _ALIGNMENT,
         )
-    num_blocks = int(tensor.shape[0])
-    block_rows = num_blocks * block_size_scale
-    return TensorLayout(addr, nbytes // block_rows, num_blocks, block_size_scale, device)
+    return TensorLayout(
+        addr, block_bytes // block_size_scale, num_blocks, block_size_scale, device, block_stride=step
+    )
+
+
+def _dense(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether a C-order array of ``shape`` with these byte strides has no gaps
+    (dimensions of size 1 may have any stride, as torch and numpy both allow)."""
+    expected = itemsize
+    for n, stride in zip(reversed(shape), reversed(strides)):
+        if n != 1 and stride != expected:
+            return False
+        expected *= n
+    return True
+
+
+def layout_tag(tensor: Any, *, block_tokens: int = 0, name: str = "") -> LayoutTag | None:
+    """What a torch tensor's blocks hold: its dtype name (``"bfloat16"``), the shape of one
+    block (``shape[1:]``), and ``block_tokens`` and the layout ``name`` as given (0 and ""
+    are not stated). None for anything else: a numpy array is usually raw bytes standing
+    for another layout, and a tag from it would refuse a good peer."""
+    if not hasattr(tensor, "data_ptr"):
+        return None
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return LayoutTag(dtype, tuple(int(n) for n in tensor.shape[1:]), block_tokens, name)
 
 
 def host_buffer(shape: int | tuple[int, ...], dtype: Any = np.uint8) -> np.ndarray:
@@ -106,10 +145,19 @@ def record_event(tensor: Any) -> Any | None:
     return event
 
 
-def layer_layout(tensors: LayerTensors) -> LayerLayout:
-    """The :class:`LayerLayout` of a layer's tensors."""
+def layer_layout(
+    tensors: LayerTensors, *, block_tokens: int = 0, layout_name: str = "", tag: bool = True
+) -> LayerLayout:
+    """The :class:`LayerLayout` of a layer's tensors.
+
+    Tagged (``layout_tag``) from the first main tensor when it is a torch tensor, with
+    ``block_tokens`` and ``layout_name`` when given; ``tag=False`` leaves it untagged, e.g. for
+    a byte pool that holds the peer's layout as raw bytes. Raises what ``tensor_layout`` raises.
+    """
+    main = tuple(tensors.main)
     return LayerLayout(
-        tuple(tensor_layout(t) for t in tensors.main),
+        tuple(tensor_layout(t) for t in main),
         None if tensors.indexer is None else tensor_layout(tensors.indexer),
         None if tensors.scale is None else tensor_layout(tensors.scale),
+        tag=layout_tag(main[0], block_tokens=block_tokens, name=layout_name) if tag and main else None,
     )
