@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -13,32 +12,13 @@ import zmq.auth
 from rd2h.errors import BackendUnavailableError, ConfigError
 from rd2h.interfaces import Availability, ControlChannel
 
+from rd2h_zmq.settings import CurveKeys, Settings
 from rd2h_zmq.sockets import SharedContext, ZmqDialer, ZmqListener
 
-__all__ = ["ZmqChannel", "CurveKeys", "Settings", "MiB"]
+__all__ = ["ZmqChannel", "MiB"]
 
 MiB = 1 << 20
 KeyPath = str | os.PathLike[str]
-
-
-@dataclass(frozen=True, slots=True)
-class CurveKeys:
-    """Z85 keys read from ``zmq.auth`` certificate files."""
-
-    public: bytes
-    secret: bytes
-    server_public: bytes | None  # the Decode listeners' public key, for dialers
-    authorized_dir: Path | None  # client public keys allowed to reach our listeners
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """What every listener and dialer of one channel is built with."""
-
-    max_frame_bytes: int
-    send_timeout_ms: int
-    high_water_mark: int
-    curve: CurveKeys | None
 
 
 class ZmqChannel(ControlChannel):

@@ -28,10 +28,10 @@ from zmq.utils.monitor import recv_monitor_message
 from rd2h.errors import ChannelError, FrameTooLargeError, PortInUseError
 from rd2h.interfaces import Dialer, Listener
 
+from rd2h_zmq.settings import Settings
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-    from rd2h_zmq.channel import Settings
 
 __all__ = ["SharedContext", "ZmqListener", "ZmqDialer"]
 

@@ -1,0 +1,32 @@
+"""What a channel's listeners and dialers are built with: its options and CURVE keys.
+
+Its own module so that ``channel`` (which makes these) and ``sockets`` (which use them)
+both import it and not each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CurveKeys", "Settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """Z85 keys read from ``zmq.auth`` certificate files."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None  # the Decode listeners' public key, for dialers
+    authorized_dir: Path | None  # client public keys allowed to reach our listeners
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What every listener and dialer of one channel is built with."""
+
+    max_frame_bytes: int
+    send_timeout_ms: int
+    high_water_mark: int
+    curve: CurveKeys | None
