@@ -19,7 +19,7 @@ from rd2h._wire import check_str as _check_str
 from rd2h._wire import kind as _kind
 from rd2h._wire import unpack as _unpack
 from rd2h.errors import IncompatiblePeerError, RemoteProtocolError
-from rd2h.layout import LayerLayout, TensorLayout
+from rd2h.layout import LayerLayout, LayoutTag, TensorLayout
 
 __all__ = [
     "LAYOUT_VERSION",
@@ -29,14 +29,16 @@ __all__ = [
     "decode_layer_metadata",
 ]
 
-LAYOUT_VERSION = 2  # v2 adds num_blocks and has_scale to the layer metadata
+LAYOUT_VERSION = 3  # v2 adds num_blocks and has_scale; v3 block_stride and tag
 LEGACY_LAYOUT_VERSION = 1
-READ_LAYOUT_VERSIONS = (LEGACY_LAYOUT_VERSION, LAYOUT_VERSION)  # what decode_layer_metadata reads
+READ_LAYOUT_VERSIONS = (LEGACY_LAYOUT_VERSION, 2, LAYOUT_VERSION)  # what decode_layer_metadata reads
 
 _TENSOR_LISTS = ("base_addrs", "block_len", "block_size_scale", "num_blocks", "tensor_group_idx")
 
 
-def _check_tensor(base_addr: int, block_len: int, scale: int, num_blocks: int | None, where: str) -> int:
+def _check_tensor(
+    base_addr: int, block_len: int, scale: int, num_blocks: int | None, block_stride: int | None, where: str
+) -> int:
     """Check one tensor's numbers; return its block count (``None``: unknown, legacy peer).
 
     A legacy peer does not send block counts. Its tensors are then taken to run to the end
@@ -46,8 +48,15 @@ def _check_tensor(base_addr: int, block_len: int, scale: int, num_blocks: int | 
     _check_int(base_addr, f"base_addrs[{where}]")
     _check_int(block_len, f"block_len[{where}]", 1)
     _check_int(scale, f"block_size_scale[{where}]", 1)
-    stride = block_len * scale
-    room = (_INT_END - 1 - base_addr) // stride  # whole blocks that end below 2**63
+    block_bytes = block_len * scale
+    stride = block_bytes
+    if block_stride is not None:
+        _check_int(block_stride, f"block_stride[{where}]", 1)
+        if block_stride < block_bytes:
+            raise ValueError(f"block_stride[{where}]: {block_stride} is smaller than a block ({block_bytes} bytes)")
+        stride = block_stride
+    # whole blocks whose last byte lies below 2**63 (the last block needs no padding after it)
+    room = 0 if base_addr + block_bytes >= _INT_END else (_INT_END - 1 - base_addr - block_bytes) // stride + 1
     if num_blocks is None:
         if room == 0:
             raise ValueError(f"tensor {where}: not one block fits below the int64 address limit")
@@ -58,12 +67,34 @@ def _check_tensor(base_addr: int, block_len: int, scale: int, num_blocks: int | 
     return num_blocks
 
 
-def encode_layer_metadata(layers: Mapping[str, LayerLayout]) -> bytes:
-    """Encode layouts as the ``layer_metadata`` map of mf_meta (layout version 2).
+def _encode_tag(tag: LayoutTag) -> dict[str, object]:
+    return {"dtype": tag.dtype, "block_shape": list(tag.block_shape), "block_tokens": tag.block_tokens, "name": tag.name}
 
-    Tensor order per layer: the main tensors, the indexer, the scale. Raises TypeError or
-    ValueError on a layout that could not be decoded again (a scale without an indexer,
-    no main tensor, a non-positive length).
+
+def _decode_tag(tag: object) -> LayoutTag:
+    if type(tag) is not dict:
+        raise TypeError(f"tag: expected a map, got {_kind(tag)}")
+    for key in ("dtype", "block_shape", "block_tokens"):
+        if key not in tag:
+            raise ValueError(f"tag.{key}: missing")
+    dtype, shape, tokens, name = tag["dtype"], tag["block_shape"], tag["block_tokens"], tag.get("name", "")
+    _check_str(dtype, "tag.dtype", allow_empty=True)
+    _check_str(name, "tag.name", allow_empty=True)
+    if type(shape) is not tuple:
+        raise TypeError(f"tag.block_shape: expected an array, got {_kind(shape)}")
+    for i, n in enumerate(shape):
+        _check_int(n, f"tag.block_shape[{i}]")
+    _check_int(tokens, "tag.block_tokens")
+    return LayoutTag(dtype, shape, tokens, name)
+
+
+def encode_layer_metadata(layers: Mapping[str, LayerLayout]) -> bytes:
+    """Encode layouts as the ``layer_metadata`` map of mf_meta (layout version 3).
+
+    Tensor order per layer: the main tensors, the indexer, the scale. ``block_stride`` is
+    sent only for a layer with a strided tensor, ``tag`` only for a layer that has one.
+    Raises TypeError or ValueError on a layout that could not be decoded again (a scale
+    without an indexer, no main tensor, a non-positive length).
     """
     if not isinstance(layers, Mapping):
         raise TypeError(f"layers: expected a mapping of layer name to LayerLayout, got {_kind(layers)}")
@@ -82,11 +113,11 @@ def encode_layer_metadata(layers: Mapping[str, LayerLayout]) -> bytes:
             if type(t) is not TensorLayout:
                 raise TypeError(f"layer {name!r}: tensor {i} is a {_kind(t)}, not a TensorLayout")
             try:
-                _check_tensor(t.base_addr, t.block_len, t.block_size_scale, t.num_blocks, str(i))
+                _check_tensor(t.base_addr, t.block_len, t.block_size_scale, t.num_blocks, t.block_stride, str(i))
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"layer {name!r}: {exc}") from None
         tensors += extra
-        out[name] = {
+        entry: dict[str, Any] = {
             "base_addrs": [t.base_addr for t in tensors],
             "block_len": [t.block_len for t in tensors],
             "block_size_scale": [t.block_size_scale for t in tensors],
@@ -96,6 +127,13 @@ def encode_layer_metadata(layers: Mapping[str, LayerLayout]) -> bytes:
             "has_indexer": layer.indexer is not None,
             "has_scale": layer.scale is not None,
         }
+        if any(t.block_stride is not None for t in tensors):
+            entry["block_stride"] = [t.block_stride for t in tensors]  # nil: dense
+        if layer.tag is not None:
+            if type(layer.tag) is not LayoutTag:
+                raise TypeError(f"layer {name!r}: tag is a {_kind(layer.tag)}, not a LayoutTag")
+            entry["tag"] = _encode_tag(layer.tag)
+        out[name] = entry
     return msgpack.packb(out)
 
 
@@ -122,9 +160,11 @@ def _decode_layer(entry: object, strict: bool) -> LayerLayout:
         raise ValueError("has_scale: a scale tensor needs an indexer tensor (has_indexer is false)")
     count = main_count + has_indexer + has_scale
     lists = {}
-    for key in _TENSOR_LISTS:
-        if key == "num_blocks" and not strict and key not in entry:
-            values: object = (None,) * count  # legacy peer: counts not sent, see _check_tensor
+    for key in (*_TENSOR_LISTS, "block_stride"):
+        if key == "block_stride" and key not in entry:
+            values: object = (None,) * count  # an older peer, or every tensor dense
+        elif key == "num_blocks" and not strict and key not in entry:
+            values = (None,) * count  # legacy peer: counts not sent, see _check_tensor
         else:
             values = get(key)
         if type(values) is not tuple:
@@ -138,33 +178,35 @@ def _decode_layer(entry: object, strict: bool) -> LayerLayout:
         _check_int(group, f"tensor_group_idx[{i}]")
     tensors = []
     for i in range(count):
-        base, length, scale, blocks = (lists[k][i] for k in _TENSOR_LISTS[:4])
-        blocks = _check_tensor(base, length, scale, blocks, str(i))
-        tensors.append(TensorLayout(base, length, blocks, scale))
+        base, length, scale, blocks, stride = (lists[k][i] for k in (*_TENSOR_LISTS[:4], "block_stride"))
+        blocks = _check_tensor(base, length, scale, blocks, stride, str(i))
+        tensors.append(TensorLayout(base, length, blocks, scale, block_stride=stride))
     indexer = tensors[main_count] if has_indexer else None
     scale_t = tensors[main_count + 1] if has_scale else None
-    return LayerLayout(tuple(tensors[:main_count]), indexer, scale_t)
+    tag = _decode_tag(entry["tag"]) if "tag" in entry else None
+    return LayerLayout(tuple(tensors[:main_count]), indexer, scale_t, tag)
 
 
 def decode_layer_metadata(data: bytes, *, layout_version: int | None = None) -> dict[str, LayerLayout]:
     """Decode and validate an mf_meta ``layer_metadata`` map.
 
-    With ``layout_version=None`` both forms are read: a key missing from a legacy map takes
+    With ``layout_version=None`` every form is read: a key missing from a legacy map takes
     its legacy default (``has_scale`` false; without ``num_blocks`` each tensor is taken to
-    run to the end of the int64 address space). With 2 those keys are
-    required; with 1 they are optional. Unknown keys are ignored (append-only evolution).
-    Raises RemoteProtocolError naming the layer and key, IncompatiblePeerError for a layout
-    version this build does not know.
+    run to the end of the int64 address space). From layout 2 on those keys are required;
+    with 1 they are optional. ``block_stride`` and ``tag`` (layout 3) are optional in every
+    version: absent, tensors are dense and the layer states no tag. Unknown keys are ignored
+    (append-only evolution). Raises RemoteProtocolError naming the layer and key,
+    IncompatiblePeerError for a layout version this build does not know.
     """
     if layout_version is not None and layout_version not in READ_LAYOUT_VERSIONS:
         raise IncompatiblePeerError(
             f"cache layout version {layout_version} is unknown to this build (it reads "
-            f"{LEGACY_LAYOUT_VERSION} and {LAYOUT_VERSION}): run the same rd2h version on both sides"
+            f"{', '.join(map(str, READ_LAYOUT_VERSIONS))}): run the same rd2h version on both sides"
         )
     obj = _unpack(data, "layer_metadata")
     if type(obj) is not dict:
         raise RemoteProtocolError(f"layer_metadata: expected a map, got {_kind(obj)}")
-    strict = layout_version == LAYOUT_VERSION
+    strict = layout_version is not None and layout_version > LEGACY_LAYOUT_VERSION
     layers: dict[str, LayerLayout] = {}
     for name, entry in obj.items():
         if type(name) is not str or not name:
@@ -174,5 +216,3 @@ def decode_layer_metadata(data: bytes, *, layout_version: int | None = None) -> 
         except (TypeError, ValueError) as exc:
             raise RemoteProtocolError(f"layer_metadata[{name[:80]!r}]: {exc}") from exc
     return layers
-
-

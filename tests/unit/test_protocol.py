@@ -21,7 +21,7 @@ from rd2h.errors import (
     RemoteError,
     RemoteProtocolError,
 )
-from rd2h.layout import LayerLayout, TensorLayout
+from rd2h.layout import LayerLayout, LayoutTag, TensorLayout
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ_TREES = settings(FUZZ, max_examples=150)  # structured inputs cost more to generate
@@ -55,8 +55,19 @@ def tensors(draw: st.DrawFn) -> TensorLayout:
     block_len = draw(st.integers(1, 2**20))
     scale = draw(st.integers(1, 8))
     num_blocks = draw(st.integers(1, 2**20))
-    base = draw(st.integers(0, 2**63 - 1 - block_len * scale * num_blocks))
-    return TensorLayout(base, block_len, num_blocks, scale)
+    stride = draw(st.none() | st.integers(block_len * scale, block_len * scale + 2**12))  # None: dense
+    end = (stride or block_len * scale) * (num_blocks - 1) + block_len * scale
+    base = draw(st.integers(0, 2**63 - 1 - end))
+    return TensorLayout(base, block_len, num_blocks, scale, block_stride=stride)
+
+
+layout_tags = st.builds(
+    LayoutTag,
+    st.sampled_from(["bfloat16", "int8", ""]) | st.text(max_size=8),
+    st.lists(st.integers(0, 2**20) | st.integers(0, 2**63 - 1), max_size=4).map(tuple),
+    st.integers(0, 512) | st.integers(0, 2**63 - 1),
+    st.sampled_from(["", "LBHNC"]) | st.text(max_size=8),
+)
 
 
 @st.composite
@@ -64,7 +75,7 @@ def layers(draw: st.DrawFn) -> LayerLayout:
     main = tuple(draw(st.lists(tensors(), min_size=1, max_size=3)))
     indexer = draw(st.none() | tensors())
     scale = draw(st.none() | tensors()) if indexer is not None else None
-    return LayerLayout(main, indexer, scale)
+    return LayerLayout(main, indexer, scale, draw(st.none() | layout_tags))
 
 
 layer_maps = st.dictionaries(names, layers(), max_size=3)
@@ -188,6 +199,28 @@ def test_layer_metadata_wire_keys_and_derived_groups() -> None:
         "has_scale": True,
     }
     assert raw["model.layers.1.attn"]["tensor_group_idx"] == [0, 0]
+
+
+def test_layer_metadata_carries_block_stride_and_tag_when_there_are_any() -> None:
+    padded = TensorLayout(0x10000, 4096, 64, block_stride=8192)
+    tag = LayoutTag("bfloat16", (8, 16, 128), 16, "LBHNC")
+    layers = {"l": LayerLayout((padded, TensorLayout(0x90000, 4096, 64)), tag=tag)}
+    raw = msgpack.unpackb(lm.encode_layer_metadata(layers))["l"]
+    assert raw["block_stride"] == [8192, None]  # nil: that tensor is dense
+    assert raw["tag"] == {"dtype": "bfloat16", "block_shape": [8, 16, 128], "block_tokens": 16, "name": "LBHNC"}
+    assert lm.decode_layer_metadata(lm.encode_layer_metadata(layers), layout_version=lm.LAYOUT_VERSION) == layers
+    decoded = lm.decode_layer_metadata(lm.encode_layer_metadata(layers))["l"]
+    assert decoded.main[0].stride == 8192 and decoded.main[1].dense and decoded.tag == tag
+    # an older peer sends neither key: dense tensors, no tag; a tag without a name states none
+    del raw["block_stride"], raw["tag"]
+    older = lm.decode_layer_metadata(msgpack.packb({"l": raw}), layout_version=2)["l"]
+    assert older.main[0].block_stride is None and older.tag is None
+    raw["tag"] = {"dtype": "int8", "block_shape": [4], "block_tokens": 0, "future": 1}
+    assert lm.decode_layer_metadata(msgpack.packb({"l": raw}))["l"].tag == LayoutTag("int8", (4,), 0, "")
+    # a legacy tensor without num_blocks still runs to the end of the int64 space, stride or not
+    legacy = {k: v for k, v in raw.items() if k not in ("num_blocks", "tag")} | {"block_stride": [8192, None]}
+    runs_to_end = lm.decode_layer_metadata(msgpack.packb({"l": legacy}))["l"].main[0]
+    assert runs_to_end.num_blocks == (2**63 - 1 - 0x10000 - 4096) // 8192 + 1
 
 
 # -- legacy forms and evolution ---------------------------------------------------------------
@@ -446,6 +479,19 @@ BAD_REQUESTS = [
     (meta_with(tensor_group_idx=[0, 0, 1]), "tensor_group_idx: has 3 entries"),
     (meta_with(tensor_group_idx=[0, 0, 1, -1]), r"tensor_group_idx\[3\]"),
     (meta_with(base_addrs="nope"), "base_addrs: expected an array, got str"),
+    (meta_with(block_stride=[8192, None, None]), "block_stride: has 3 entries"),
+    (meta_with(block_stride=8192), "block_stride: expected an array, got int"),
+    (meta_with(block_stride=[4095, None, None, None]), r"block_stride\[0\]: 4095 is smaller than a block"),
+    (meta_with(block_stride=[0, None, None, None]), r"block_stride\[0\]: 0 is outside"),
+    (meta_with(block_stride=[None, "x", None, None]), r"block_stride\[1\]: expected an integer"),
+    (meta_with(block_stride=[2**62, None, None, None]), "tensor 0 ends past the int64 address space"),
+    (meta_with(tag=[1]), "tag: expected a map, got tuple"),
+    (meta_with(tag={"dtype": "x", "block_shape": []}), "tag.block_tokens: missing"),
+    (meta_with(tag={"dtype": 1, "block_shape": [], "block_tokens": 1}), "tag.dtype: expected a string"),
+    (meta_with(tag={"dtype": "x", "block_shape": [-1], "block_tokens": 1}), r"tag.block_shape\[0\]: -1 is outside"),
+    (meta_with(tag={"dtype": "x", "block_shape": "8x8", "block_tokens": 1}), "tag.block_shape: expected an array"),
+    (meta_with(tag={"dtype": "x", "block_shape": [], "block_tokens": True}), "tag.block_tokens: expected an integer"),
+    (meta_with(tag={"dtype": "x", "block_shape": [], "block_tokens": 1, "name": 5}), "tag.name: expected a string"),
 ]
 
 
@@ -515,8 +561,10 @@ def test_encode_layer_metadata_rejects_layouts_it_could_not_decode() -> None:
         lm.encode_layer_metadata({7: LayerLayout((t,))})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="LayerLayout"):
         lm.encode_layer_metadata({"l": (t,)})  # type: ignore[dict-item]
-    with pytest.raises(IncompatiblePeerError):
-        lm.decode_layer_metadata(lm.encode_layer_metadata({}), layout_version=3)
+    with pytest.raises(IncompatiblePeerError, match="reads 1, 2, 3"):
+        lm.decode_layer_metadata(lm.encode_layer_metadata({}), layout_version=lm.LAYOUT_VERSION + 1)
+    with pytest.raises(TypeError, match="not a LayoutTag"):
+        lm.encode_layer_metadata({"l": LayerLayout((t,), tag=("bfloat16",))})  # type: ignore[arg-type]
 
 
 # -- fuzz: only RemoteProtocolError, or a valid message that re-encodes to itself -------------
@@ -608,7 +656,7 @@ def test_fuzz_layer_metadata_values(layouts: dict[str, LayerLayout], data: st.Da
         else:
             del layer[key]
     blob = msgpack.packb(tree)
-    for version in (None, 1, 2):
+    for version in (None, *lm.READ_LAYOUT_VERSIONS):
         try:
             decoded = lm.decode_layer_metadata(blob, layout_version=version)
         except RemoteProtocolError:
