@@ -84,6 +84,35 @@ def test_a_dying_child_fails_the_demo_fast_and_leaves_no_orphans(kv_port: int) -
     assert multiprocessing.active_children() == []
 
 
+def test_a_stopped_child_fails_the_demo_naming_it_and_is_killed(kv_port: int) -> None:
+    """Issue 9 D1: a SIGSTOPped child stopped the demo for ever: SIGTERM does not reach a
+    stopped process, nothing killed it, and the message named the rank that timed out
+    waiting for it, not the stopped one."""
+    config = _small(prefill_tp=1, decode_tp=1, layers=64, requests=4, max_tokens=2048, kv_port=kv_port)
+    outcome: list[BaseException | object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(run_demo(config))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    victim = None
+    deadline = time.monotonic() + 60
+    while victim is None and time.monotonic() < deadline:
+        victim = next((c for c in multiprocessing.active_children() if c.name == "prefill-0"), None)
+        thread.join(0.01)  # a short wait for the child to appear
+    assert victim is not None
+    os.kill(victim.pid, signal.SIGSTOP)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], DemoFailed), outcome
+    assert "prefill rank 0" in str(outcome[0]) and "stopped" in str(outcome[0])
+    assert multiprocessing.active_children() == []
+
+
 def test_bad_input_is_refused_before_any_process_starts(kv_port: int) -> None:
     with pytest.raises(TopologyError, match="divide"):
         DemoConfig(prefill_tp=3, decode_tp=2)

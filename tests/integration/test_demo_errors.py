@@ -34,4 +34,4 @@ def test_decode_rank_failure_reason_is_not_masked(kv_port: int) -> None:
     finally:
         pool.close()
         pool.unlink()
-    assert raised == "TimeoutError", f"the rank's failure surfaced as {raised}"
+    assert raised in ("TimeoutError", "WaitTimeout"), f"the rank's failure surfaced as {raised}"

@@ -102,17 +102,43 @@ def run_demo(config: DemoConfig, progress: Callable[[int, int], None] | None = N
         del main
         return _summarize(config, work, results, problems)
     finally:
-        for child in children.values():
-            if child.is_alive():
-                child.terminate()
-        for child in children.values():
-            if child.pid is not None:
-                child.join(5)
+        _stop_children(children.values())
         try:
             pool.close()
         except BufferError:  # a traceback still holds views into it; unlinking frees it anyway
             pass
         pool.unlink()
+
+
+# A child stopped this long (SIGSTOP, a debugger) fails the run: it would only time out later,
+# and the message would name whichever rank waited on it instead of the stopped one.
+_STOPPED_GRACE_SECONDS = 5.0
+
+
+def _stop_children(children: Any) -> None:
+    """SIGTERM, then SIGKILL what is still there: a stopped child ignores SIGTERM until it is
+    continued, and a child left alive would block the interpreter's exit."""
+    children = [c for c in children if c.pid is not None]
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+    for child in children:
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether the process is stopped (state T or t in /proc), without blocking."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 def _supervise(
@@ -129,6 +155,7 @@ def _supervise(
     errors: dict[tuple[str, int], str] = {}
     done_layers = 0
     silent_since: dict[tuple[str, int], float] = {}
+    stopped_since: dict[tuple[str, int], float] = {}
     deadline = time.monotonic() + config.timeout + 60.0  # start-up included
     while len(results) < len(children):
         try:
@@ -148,6 +175,14 @@ def _supervise(
         elif kind == "error":
             errors[role, rank] = payload
         for key, child in children.items():
+            if key not in results and child.exitcode is None and _is_stopped(child.pid):
+                if time.monotonic() - stopped_since.setdefault(key, time.monotonic()) > _STOPPED_GRACE_SECONDS:
+                    raise DemoFailed(
+                        f"{key[0]} rank {key[1]} (pid {child.pid}) is stopped (SIGSTOP or a debugger) "
+                        f"and has been for {_STOPPED_GRACE_SECONDS:.0f}s; the run cannot finish"
+                    )
+                continue
+            stopped_since.pop(key, None)
             if key in results or child.exitcode is None:
                 continue
             if child.exitcode != 0:
