@@ -19,6 +19,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from rd2h.errors import IncompatiblePeerError
 from rd2h.regions import Region
 
 __all__ = [
@@ -117,6 +118,21 @@ class TransferEngine(abc.ABC):
         Raises ``TransferError`` when the peer cannot be reached (another host for a
         same-host engine, a malformed blob, a dead peer).
         """
+
+    def connect_legacy(self, p_session: str) -> Session:
+        """Open a session to a legacy (reference-implementation) peer known only by its
+        ``p_session``: its ``mf_meta`` carries no metadata from this engine's ``register``.
+
+        An engine that can reach a peer from its session id alone overrides this; its
+        session's ``peer_regions`` then come from nothing the peer proved. This default
+        raises ``IncompatiblePeerError``: the engine needs its own metadata to connect.
+        """
+        name = type(self).name or type(self).__name__
+        raise IncompatiblePeerError(
+            f"the {name!r} transfer engine needs its own metadata (from its register() on the peer) to "
+            f"connect, and a legacy (reference-implementation) peer {p_session[:80]!r} cannot supply it: "
+            "run rd2h on that Prefill, or use an engine that connects from the session id alone (memfabric)"
+        )
 
     @abc.abstractmethod
     def read_batch(

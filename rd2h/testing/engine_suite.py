@@ -51,6 +51,7 @@ import pytest
 from rd2h.errors import (
     BackendUnavailableError,
     ConfigError,
+    IncompatiblePeerError,
     PeerGoneError,
     RD2HError,
     RegionError,
@@ -323,6 +324,23 @@ class EngineConformance:
         descs = self.blocks(peer, count, seed=40, block_len=bl)
         self.read(reader, session, peer, descs)
         self.check(reader, peer, descs, f"{count} blocks of 64 KiB")
+
+    def test_connect_legacy_reads_or_refuses_clearly(self, reader: Reader, peer: PeerProcess) -> None:
+        """A legacy (reference-implementation) peer is known by its session id alone. The
+        engine either reads from it with that, or refuses with IncompatiblePeerError naming
+        itself; anything else would reach the peer as an unexplained failure."""
+        try:
+            session = reader.engine.connect_legacy(peer.session_id)
+        except IncompatiblePeerError as exc:
+            assert self.engine_name in str(exc), f"the refusal should name the engine: {exc}"
+            return
+        assert isinstance(session, Session) and session.peer_id == peer.session_id
+        try:
+            descs = [(0, 0, 4096, 4096), (8192, 1, 0, 512)]
+            self.read(reader, session, peer, descs)
+            self.check(reader, peer, descs, "read through a legacy session")
+        finally:
+            session.close()
 
     def test_empty_batch(self, reader: Reader, session: Session, peer: PeerProcess) -> None:
         empty = np.zeros(0, dtype=np.int64)

@@ -31,6 +31,8 @@ Int64Array = npt.NDArray[np.int64]
 
 _ROLES = ("prefill", "decode")
 DEFAULT_TIMEOUT = 30.0
+# A legacy peer's registered regions are unknown: its session may name any address below 2**63.
+_UNPROVEN_END = 2**63 - 1
 
 
 class MemFabricSession(Session):
@@ -190,6 +192,29 @@ class MemFabricEngine(TransferEngine):
         if not _native.peer_listening(peer_id, min(self.timeout, 5.0)):
             raise PeerGoneError(f"no memfabric Prefill engine answers at {peer_id}")
         return MemFabricSession(self, peer_id, regions)
+
+    def connect_legacy(self, p_session: str) -> MemFabricSession:
+        """A session to a reference-implementation Prefill known only by its ``"ip:port"``.
+
+        memfabric reaches a peer by session id alone, so this works where ``connect`` would;
+        but such a peer sends no list of what it registered, so the session's
+        ``peer_regions`` is the whole 63-bit address space: it comes from nothing the peer
+        proved, and reads from it are checked on the Decode (destination) side only.
+        Raises ``TransferError`` for a session id that is not ``"ip:port"`` or a Prefill-side
+        engine, ``PeerGoneError`` when nothing answers there.
+        """
+        self._check_open()
+        if not isinstance(p_session, str):
+            raise TransferError(f"a memfabric session id is an 'ip:port' string, got {type(p_session).__name__}")
+        try:
+            _metadata.split_session_id(p_session)
+        except ValueError as exc:
+            raise TransferError(f"legacy peer: {exc}") from None
+        if self.role != "decode":
+            raise TransferError("only a decode-side memfabric engine reads; this one is prefill")
+        if not _native.peer_listening(p_session, min(self.timeout, 5.0)):
+            raise PeerGoneError(f"no memfabric Prefill engine answers at {p_session}")
+        return MemFabricSession(self, p_session, [(0, _UNPROVEN_END)])
 
     # -- reading ------------------------------------------------------------------------
 
