@@ -1,25 +1,23 @@
-"""The storage-slot gate (Prefill, pure state plus one Condition to wait on).
+"""The storage-slot table (Prefill, pure state; ``rd2h.gate`` adds the waiting across threads).
 
 Layerwise Prefill reuses a few physical buffers (slots, keyed by storage address) across
 logical layers. A slot written for a layer stays BUSY until every Decode endpoint told about
 that layer has replied; the compute path waits for it before overwriting. Replies of
-READ_FAILED, abandoned endpoints and layers that could not be sent release it too, and
-their error reaches the next waiter. Transitions are tables over ``Enum`` states; an
-illegal event raises :class:`~rd2h.errors.StateError`.
+READ_FAILED (the sender reports a silent endpoint as one) and layers that could not be sent
+release it too, and their error reaches the next waiter. Transitions are tables over ``Enum``
+states; an illegal event raises :class:`~rd2h.errors.StateError`.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from rd2h.errors import ConfigError, GateTimeout, LayerFailedError, StateError
+from rd2h.errors import GateTimeout, LayerFailedError, StateError
 from rd2h.statemachine import step as _step
 
-__all__ = ["SlotState", "LayerState", "SlotTable", "SlotGate"]
+__all__ = ["SlotState", "LayerState", "SlotTable"]
 
 
 class SlotState(Enum):
@@ -69,7 +67,7 @@ class _Layer:
     slots: tuple[Hashable, ...]
     state: LayerState = LayerState.CLAIMED
     pending: set[Hashable] = field(default_factory=set)
-    early: dict[Hashable, tuple[str | None, bool]] = field(default_factory=dict)  # (error, abandon)
+    early: dict[Hashable, str | None] = field(default_factory=dict)  # replies before sent: error or None
     failures: list[tuple[Hashable | None, str]] = field(default_factory=list)
 
 
@@ -94,7 +92,7 @@ class _Failure:
 class SlotTable:
     """Which storage slots hold which layer, and which Decode endpoints have not replied.
 
-    Pure and single-threaded; :class:`SlotGate` wraps it for use across threads. Slots
+    Pure and single-threaded; :class:`rd2h.gate.SlotGate` wraps it for use across threads. Slots
     are any hashable keys (e.g. ``("main", addr)`` and ``("indexer", addr)``).
 
     Order of calls per layer: ``claim`` (compute path, after ``check``/``wait`` said the
@@ -138,12 +136,12 @@ class SlotTable:
         (no endpoints, or all of them already replied). Raises StateError if not claimed."""
         layer = self._in_flight(layer_idx, "sent")
         pending = set(endpoints)
-        for endpoint, (error, from_abandon) in layer.early.items():
+        for endpoint, error in layer.early.items():
             if endpoint in pending:
                 pending.discard(endpoint)
                 if error is not None:
                     layer.failures.append((endpoint, error))
-            elif not from_abandon:
+            else:
                 self._stray += 1
         layer.early.clear()
         event = _LayerEvent.SEND if pending else _LayerEvent.SEND_NONE
@@ -163,7 +161,7 @@ class SlotTable:
             if endpoint in layer.early:
                 self._stray += 1
                 return False
-            layer.early[endpoint] = (error, False)
+            layer.early[endpoint] = error
             return self._advance(layer, _LayerEvent.REPLY, set())
         if endpoint not in layer.pending:
             self._stray += 1
@@ -173,20 +171,6 @@ class SlotTable:
             layer.failures.append((endpoint, error))
         event = _LayerEvent.REPLY if layer.pending else _LayerEvent.LAST_REPLY
         return self._advance(layer, event, layer.pending)
-
-    def abandon(self, endpoint: Hashable, error: str) -> tuple[int, ...]:
-        """``endpoint`` is gone: every layer waiting on it gets its reply, as ``error``.
-
-        Layers claimed but not yet sent hold the error, so a later ``sent`` naming the
-        endpoint does not wait for it. Returns the layers this released.
-        """
-        released = []
-        for layer in list(self._layers.values()):
-            if layer.state is LayerState.CLAIMED:
-                layer.early.setdefault(endpoint, (error, True))
-            elif endpoint in layer.pending and self.replied(layer.idx, endpoint, error):
-                released.append(layer.idx)
-        return tuple(released)
 
     def fail_layer(self, layer_idx: int, error: str) -> bool:
         """The sender could not announce ``layer_idx``: record ``error`` for the next waiter.
@@ -278,77 +262,3 @@ class SlotTable:
                 self._failures.setdefault(slot, []).append(failure)
         del self._layers[layer.idx]
         return True
-
-
-class SlotGate:
-    """:class:`SlotTable` made safe across threads: the compute path ``wait``s, the
-    background sender reports ``sent``/``replied``/``abandon``/``fail_layer``."""
-
-    def __init__(self) -> None:
-        self._table = SlotTable()
-        self._cond = threading.Condition()
-
-    def claim(self, layer_idx: int, slots: Iterable[Hashable]) -> None:
-        with self._cond:
-            self._table.claim(layer_idx, slots)
-
-    def sent(self, layer_idx: int, endpoints: Iterable[Hashable]) -> bool:
-        with self._cond:
-            return self._notify(self._table.sent(layer_idx, endpoints))
-
-    def replied(self, layer_idx: int, endpoint: Hashable, error: str | None = None) -> bool:
-        with self._cond:
-            return self._notify(self._table.replied(layer_idx, endpoint, error))
-
-    def abandon(self, endpoint: Hashable, error: str) -> tuple[int, ...]:
-        with self._cond:
-            released = self._table.abandon(endpoint, error)
-            self._notify(bool(released))
-            return released
-
-    def fail_layer(self, layer_idx: int, error: str) -> bool:
-        with self._cond:
-            return self._notify(self._table.fail_layer(layer_idx, error))
-
-    def wait(self, slots: Iterable[Hashable], timeout: float) -> None:
-        """Block until every slot is FREE.
-
-        Raises LayerFailedError if a layer that held one of them failed (each failure
-        reaches one waiter), GateTimeout after ``timeout`` seconds (0 polls once).
-        """
-        if not timeout >= 0:
-            raise ConfigError(f"timeout must be >= 0 seconds, got {timeout!r}")
-        keys = tuple(slots)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not self._table.check(keys):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise self._table.timeout_error(keys, timeout)
-                self._cond.wait(remaining)
-
-    def state(self, slot: Hashable) -> SlotState:
-        with self._cond:
-            return self._table.state(slot)
-
-    def owner(self, slot: Hashable) -> int | None:
-        with self._cond:
-            return self._table.owner(slot)
-
-    def layer_state(self, layer_idx: int) -> LayerState:
-        with self._cond:
-            return self._table.layer_state(layer_idx)
-
-    def pending(self, layer_idx: int) -> frozenset[Hashable]:
-        with self._cond:
-            return self._table.pending(layer_idx)
-
-    @property
-    def stray_replies(self) -> int:
-        with self._cond:
-            return self._table.stray_replies
-
-    def _notify(self, released: bool) -> bool:
-        if released:
-            self._cond.notify_all()
-        return released

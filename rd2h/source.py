@@ -31,11 +31,11 @@ import numpy as np
 from rd2h import protocol
 from rd2h.chunking import ChunkPlanner
 from rd2h.errors import ConfigError, ProtocolError, RD2HError, UnknownRequestError
+from rd2h.gate import SlotGate
 from rd2h.interfaces import Dialer, TransferEngine
 from rd2h.layout import LayerLayout
 from rd2h.regions import merge_by_device
 from rd2h.topology import Topology, remote_port
-from rd2h.slots import SlotGate
 
 __all__ = ["DecodeEndpoint", "Source", "SendResult"]
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel mapping, control ports and the work split (pure: numpy, no I/O).
+"""Tensor-parallel mapping, control ports and the work split (pure, no I/O).
 
 Two arrangements of Prefill TP size ``p_tp`` and Decode TP size ``d_tp`` are supported:
 
@@ -19,8 +19,6 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-import numpy as np
-
 from rd2h.errors import PortError, TopologyError
 
 __all__ = [
@@ -33,9 +31,6 @@ __all__ = [
     "share",
     "main_share",
     "indexer_share",
-    "shares",
-    "main_shares",
-    "indexer_shares",
 ]
 
 MAX_PORT = 65535
@@ -239,45 +234,3 @@ def main_share(
 def indexer_share(n: int, start: int, ratio: int, member: int) -> tuple[int, int]:
     """Indexer (and LIC8 scale) slice a Decode rank reads from contributor ``member``."""
     return share(n, ratio, member, start)
-
-
-def shares(
-    n: np.ndarray, start: np.ndarray, sharers: int, rank: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`share` over many chunks at once: int64 arrays ``lo`` and ``hi``."""
-    n_arr = np.asarray(n, dtype=np.int64)
-    s_arr = np.asarray(start, dtype=np.int64)
-    if n_arr.shape != s_arr.shape:
-        raise TopologyError(f"n and start differ in shape: {n_arr.shape} vs {s_arr.shape}")
-    sharers = _int("sharers", sharers)
-    if sharers < 1:
-        raise TopologyError(f"sharers must be >= 1, got {sharers}")
-    rank = _rank("rank", rank, sharers, "sharers")
-    if n_arr.size and (n_arr.min() < 0 or s_arr.min() < 0):
-        raise TopologyError("block counts and starts must be >= 0")
-    pos = (rank - s_arr % sharers) % sharers
-    base, extra = np.divmod(n_arr, sharers)
-    lo = pos * base + np.minimum(pos, extra)
-    hi = lo + base + (pos < extra)
-    return lo, hi
-
-
-def main_shares(
-    n: np.ndarray, start: np.ndarray, decode_tp: int, decode_rank: int, member: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`main_share` over many chunks at once."""
-    lo, hi = shares(n, start, decode_tp, decode_rank)
-    member = _int("member", member)
-    if member < 0:
-        raise TopologyError(f"member must be >= 0, got {member}")
-    if member != 0:
-        lo = np.zeros_like(lo)
-        hi = np.zeros_like(hi)
-    return lo, hi
-
-
-def indexer_shares(
-    n: np.ndarray, start: np.ndarray, ratio: int, member: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`indexer_share` over many chunks at once."""
-    return shares(n, start, ratio, member)

@@ -1,10 +1,8 @@
-"""The storage-slot gate: scenarios, real threads, and a stateful check against a small model
-(a waiter is woken by a reply; a dead Decode ends in GateTimeout; every error reaches one waiter)."""
+"""The storage-slot table (rd2h.slots, pure): scenarios and a stateful check against a small
+model (every reply is matched or counted stray; every error reaches exactly one waiter)."""
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
 import pytest
@@ -12,66 +10,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rd2h.errors import (
-    ConfigError,
-    GateTimeout,
-    LayerFailedError,
-    RD2HError,
-    StateError,
-)
-from rd2h.slots import LayerState, SlotGate, SlotState, SlotTable
+from rd2h.errors import LayerFailedError, StateError
+from rd2h.slots import LayerState, SlotState, SlotTable
 
 MAIN, IDX = ("main", 0x1000), ("indexer", 0x2000)
 
-# -- slot gate: scenarios -------------------------------------------------------------------
-
-
-def test_slot_is_busy_until_every_endpoint_replied() -> None:
-    gate = SlotGate()
-    gate.claim(3, [MAIN, IDX])
-    assert gate.state(MAIN) is SlotState.BUSY and gate.owner(IDX) == 3
-    assert gate.layer_state(3) is LayerState.CLAIMED
-    assert gate.sent(3, ["d0", "d1"]) is False
-    assert gate.replied(3, "d0") is False
-    assert gate.pending(3) == {"d1"}
-    with pytest.raises(GateTimeout):
-        gate.wait([MAIN], 0)
-    assert gate.replied(3, "d1") is True
-    assert gate.state(MAIN) is SlotState.FREE and gate.layer_state(3) is LayerState.RELEASED
-    gate.wait([MAIN, IDX], 0)
-
-
-def test_zero_endpoints_release_at_once() -> None:
-    gate = SlotGate()
-    gate.claim(0, [MAIN])
-    assert gate.sent(0, []) is True
-    gate.wait([MAIN], 0)
-
-
-def test_claiming_a_busy_slot_is_a_usage_error() -> None:
-    gate = SlotGate()
-    gate.claim(0, [MAIN, IDX])
-    gate.sent(0, ["d0"])
-    with pytest.raises(StateError, match=r"slot \('main', 4096\) is still busy with layer 0 "):
-        gate.claim(1, [MAIN])
-    assert gate.owner(MAIN) == 0  # nothing changed
-    with pytest.raises(StateError, match="layer 0 claimed again while still in flight"):
-        gate.claim(0, [("main", 1)])
-    gate.claim(1, [("main", 1)])  # another slot is fine
-
-
-def test_an_error_reaches_exactly_one_waiter() -> None:
-    gate = SlotGate()
-    gate.claim(5, [MAIN, IDX])
-    gate.sent(5, ["d0", "d1"])
-    gate.replied(5, "d0", "bad block range")
-    with pytest.raises(GateTimeout):  # still waiting on d1: the slots must not be reused
-        gate.wait([MAIN], 0)
-    gate.replied(5, "d1")
-    with pytest.raises(LayerFailedError, match="layer 5: Decode endpoint 'd0' .*bad block range"):
-        gate.wait([IDX], 0)
-    gate.wait([MAIN], 0)  # the error was taken by the indexer waiter
-    gate.wait([IDX], 0)
+# -- scenarios ---------------------------------------------------------------------------------
 
 
 def test_errors_of_several_layers_are_raised_together() -> None:
@@ -126,27 +70,6 @@ def test_stray_replies_are_ignored_and_counted() -> None:
     assert table.check([MAIN]) is True
 
 
-def test_abandon_releases_layers_waiting_on_a_dead_endpoint() -> None:
-    gate = SlotGate()
-    gate.claim(0, [("main", 0)])
-    gate.claim(1, [("main", 1)])
-    gate.claim(2, [("main", 2)])
-    gate.sent(0, ["dead"])
-    gate.sent(1, ["dead", "alive"])
-    assert gate.abandon("dead", "peer gone") == (0,)
-    assert gate.pending(1) == {"alive"}
-    with pytest.raises(LayerFailedError, match="layer 0: Decode endpoint 'dead' .*peer gone"):
-        gate.wait([("main", 0)], 0)
-    # layer 2 was not sent yet: a later sent() naming the dead endpoint does not wait for it
-    assert gate.sent(2, ["dead"]) is True
-    with pytest.raises(LayerFailedError, match="layer 2"):
-        gate.wait([("main", 2)], 0)
-    assert gate.stray_replies == 0
-    gate.replied(1, "alive")
-    with pytest.raises(LayerFailedError, match="layer 1"):
-        gate.wait([("main", 1)], 0)
-
-
 def test_fail_layer_before_and_after_sent() -> None:
     table = SlotTable()
     table.claim(0, [MAIN])
@@ -174,103 +97,20 @@ def test_illegal_layer_events() -> None:
         table.sent(4, ["d1"])
 
 
-def test_gate_timeout_names_slot_layer_and_endpoints() -> None:
-    gate = SlotGate()
-    gate.claim(7, [MAIN])
-    gate.claim(8, [IDX])
-    gate.sent(7, ["tcp://d1:5001", "tcp://d0:5000"])
-    gate.replied(7, "tcp://d1:5001")
-    with pytest.raises(GateTimeout) as info:
-        gate.wait([MAIN, IDX, ("main", 3)], 0)
-    message = str(info.value)
-    assert "slot ('main', 4096) held by layer 7 (no reply from 'tcp://d0:5000')" in message
-    assert "slot ('indexer', 8192) held by layer 8 (readiness not sent yet)" in message
-    assert "('main', 3)" not in message  # free slots are not blamed
-    assert isinstance(info.value, TimeoutError)
-    with pytest.raises(ConfigError):
-        gate.wait([MAIN], -1)
-
-
-def test_unclaimed_slots_are_free() -> None:
-    SlotGate().wait([MAIN, "anything"], 0)
-
-
-# -- slot gate: real threads ----------------------------------------------------------------
-
-
-def _wait_in_thread(gate: SlotGate, slots: list[Any], timeout: float) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        start = time.monotonic()
-        try:
-            gate.wait(slots, timeout)
-            result["error"] = None
-        except RD2HError as exc:
-            result["error"] = exc
-        result["elapsed"] = time.monotonic() - start
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    result["thread"] = thread
-    return result
-
-
-def test_waiter_is_woken_by_a_reply_from_another_thread() -> None:
-    gate = SlotGate()
-    gate.claim(0, [MAIN])
-    gate.sent(0, ["d0"])
-    waiter = _wait_in_thread(gate, [MAIN], timeout=10)
-    time.sleep(0.1)
-    assert waiter["thread"].is_alive()  # really blocked
-    gate.replied(0, "d0")
-    waiter["thread"].join(5)
-    assert not waiter["thread"].is_alive()
-    assert waiter["error"] is None and 0.09 <= waiter["elapsed"] < 2
-
-
-def test_waiter_is_woken_by_an_error_and_by_abandon() -> None:
-    gate = SlotGate()
-    gate.claim(0, [MAIN])
-    gate.claim(1, [IDX])
-    gate.sent(0, ["d0"])
-    gate.sent(1, ["d1"])
-    failed = _wait_in_thread(gate, [MAIN], timeout=10)
-    dead = _wait_in_thread(gate, [IDX], timeout=10)
-    time.sleep(0.05)
-    gate.replied(0, "d0", "layout mismatch")
-    gate.abandon("d1", "peer gone")
-    for waiter in (failed, dead):
-        waiter["thread"].join(5)
-        assert isinstance(waiter["error"], LayerFailedError) and waiter["elapsed"] < 2
-    assert "layout mismatch" in str(failed["error"]) and "peer gone" in str(dead["error"])
-
-
-def test_never_replied_slot_times_out_within_bound() -> None:
-    gate = SlotGate()
-    gate.claim(2, [MAIN])
-    gate.sent(2, ["d0"])
-    waiter = _wait_in_thread(gate, [MAIN], timeout=0.2)
-    waiter["thread"].join(5)
-    assert isinstance(waiter["error"], GateTimeout)
-    assert "layer 2" in str(waiter["error"]) and "'d0'" in str(waiter["error"])
-    assert 0.2 <= waiter["elapsed"] < 0.2 + 0.5
-
-
-# -- slot gate: stateful model check ----------------------------------------------------------
+# -- stateful model check ----------------------------------------------------------------------
 
 SLOTS = [("main", 0), ("main", 1), ("indexer", 0), ("indexer", 1)]
 ENDPOINTS = ["d0", "d1", "d2"]
 LAYERS = st.integers(0, 4)
 
 
-class SlotGateMachine(RuleBasedStateMachine):
-    """The gate against a model: per in-flight layer its slots, phase, pending endpoints,
+class SlotTableMachine(RuleBasedStateMachine):
+    """The table against a model: per in-flight layer its slots, phase, pending endpoints,
     held early replies and errors; per released failed layer the errors not yet raised."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.gate = SlotGate()
+        self.table = SlotTable()
         self.layers: dict[int, dict[str, Any]] = {}
         self.owner: dict[Any, int] = {}
         self.outstanding: list[dict[str, Any]] = []  # failures not yet raised
@@ -300,7 +140,7 @@ class SlotGateMachine(RuleBasedStateMachine):
             if endpoint in layer["early"]:
                 self.stray += 1
             else:
-                layer["early"][endpoint] = (error, False)
+                layer["early"][endpoint] = error
             return False
         if endpoint not in layer["pending"]:
             self.stray += 1
@@ -317,9 +157,9 @@ class SlotGateMachine(RuleBasedStateMachine):
     def claim(self, layer_idx: int, slots: set[Any]) -> None:
         if layer_idx in self.layers or slots & self.owner.keys():
             with pytest.raises(StateError):
-                self.gate.claim(layer_idx, sorted(slots))
+                self.table.claim(layer_idx, sorted(slots))
             return
-        self.gate.claim(layer_idx, sorted(slots))
+        self.table.claim(layer_idx, sorted(slots))
         self.layers[layer_idx] = {
             "slots": frozenset(slots),
             "phase": "claimed",
@@ -335,16 +175,16 @@ class SlotGateMachine(RuleBasedStateMachine):
         layer = self.layers.get(layer_idx)
         if layer is None or layer["phase"] != "claimed":
             with pytest.raises(StateError):
-                self.gate.sent(layer_idx, endpoints)
+                self.table.sent(layer_idx, endpoints)
             return
-        released = self.gate.sent(layer_idx, endpoints)
+        released = self.table.sent(layer_idx, endpoints)
         pending = set(endpoints)
-        for endpoint, (error, from_abandon) in layer["early"].items():
+        for endpoint, error in layer["early"].items():
             if endpoint in pending:
                 pending.discard(endpoint)
                 if error is not None:
                     layer["errors"].append(error)
-            elif not from_abandon:
+            else:
                 self.stray += 1
         layer["early"] = {}
         layer["pending"], layer["phase"] = pending, "sent"
@@ -355,7 +195,7 @@ class SlotGateMachine(RuleBasedStateMachine):
     @rule(layer_idx=LAYERS, endpoint=st.sampled_from(ENDPOINTS), fails=st.booleans())
     def replied(self, layer_idx: int, endpoint: str, fails: bool) -> None:
         error = self.token() if fails else None
-        assert self.gate.replied(layer_idx, endpoint, error) == self.model_reply(
+        assert self.table.replied(layer_idx, endpoint, error) == self.model_reply(
             layer_idx, endpoint, error
         )
 
@@ -370,27 +210,15 @@ class SlotGateMachine(RuleBasedStateMachine):
         endpoint = data.draw(st.sampled_from(sorted(self.layers[layer_idx]["pending"])))
         self.replied(layer_idx, endpoint, data.draw(st.booleans()))
 
-    @rule(endpoint=st.sampled_from(ENDPOINTS))
-    def abandon(self, endpoint: str) -> None:
-        error = self.token()
-        released = self.gate.abandon(endpoint, error)
-        expected = []
-        for layer_idx, layer in list(self.layers.items()):
-            if layer["phase"] == "claimed":
-                layer["early"].setdefault(endpoint, (error, True))
-            elif endpoint in layer["pending"] and self.model_reply(layer_idx, endpoint, error):
-                expected.append(layer_idx)
-        assert sorted(released) == sorted(expected)
-
     @rule(layer_idx=LAYERS)
     def fail_layer(self, layer_idx: int) -> None:
         error = self.token()
         layer = self.layers.get(layer_idx)
         if layer is None:
             with pytest.raises(StateError):
-                self.gate.fail_layer(layer_idx, error)
+                self.table.fail_layer(layer_idx, error)
             return
-        released = self.gate.fail_layer(layer_idx, error)
+        released = self.table.fail_layer(layer_idx, error)
         layer["errors"].append(error)
         layer["early"] = {}
         assert released == (layer["phase"] == "claimed")
@@ -403,44 +231,44 @@ class SlotGateMachine(RuleBasedStateMachine):
         hit = [f for f in self.outstanding if f["slots"] & slots]
         if hit:
             with pytest.raises(LayerFailedError) as info:
-                self.gate.wait(keys, 0)
+                self.table.check(keys)
             message = str(info.value)
             expected = [token for f in hit for token in f["errors"]]
             for token in set(expected):
                 assert message.count(token) == expected.count(token)
-            # one abandon() error can fail several layers: only tokens of unhit layers alone
+            # the message names the hit layers' errors and no other layer's
             others = {t for f in self.outstanding if f not in hit for t in f["errors"]}
             assert not any(token in message for token in others - set(expected))
             self.raised_tokens.extend(expected)
             self.outstanding = [f for f in self.outstanding if f not in hit]
         elif slots & self.owner.keys():
-            with pytest.raises(GateTimeout) as timeout:
-                self.gate.wait(keys, 0)
+            assert self.table.check(keys) is False
+            timeout = self.table.timeout_error(keys, 0)
             for slot in slots & self.owner.keys():
-                assert f"held by layer {self.owner[slot]} " in str(timeout.value)
+                assert f"held by layer {self.owner[slot]} " in str(timeout)
         else:
-            self.gate.wait(keys, 0)
+            assert self.table.check(keys) is True
 
     @invariant()
     def slot_free_iff_owner_has_nothing_pending(self) -> None:
         for slot in SLOTS:
-            owner = self.gate.owner(slot)
+            owner = self.table.owner(slot)
             assert owner == self.owner.get(slot)
             if owner is None:
-                assert self.gate.state(slot) is SlotState.FREE
+                assert self.table.state(slot) is SlotState.FREE
             else:
-                assert self.gate.state(slot) is SlotState.BUSY
-                state = self.gate.layer_state(owner)
+                assert self.table.state(slot) is SlotState.BUSY
+                state = self.table.layer_state(owner)
                 assert state is LayerState.CLAIMED or (
-                    state is LayerState.SENT and self.gate.pending(owner)
+                    state is LayerState.SENT and self.table.pending(owner)
                 )
 
     @invariant()
     def no_reply_lost(self) -> None:
-        assert self.gate.stray_replies == self.stray
+        assert self.table.stray_replies == self.stray
         for layer_idx in range(5):
             layer = self.layers.get(layer_idx)
-            assert self.gate.pending(layer_idx) == (set() if layer is None else layer["pending"])
+            assert self.table.pending(layer_idx) == (set() if layer is None else layer["pending"])
 
     def teardown(self) -> None:
         # every recorded error reaches exactly one waiter: drain them, one slot at a time
@@ -450,9 +278,5 @@ class SlotGateMachine(RuleBasedStateMachine):
         assert sorted(self.raised_tokens) == sorted(self.recorded_tokens)
 
 
-SlotGateMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None
-)
-TestSlotGateMachine = SlotGateMachine.TestCase
-
-
+SlotTableMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSlotTableMachine = SlotTableMachine.TestCase

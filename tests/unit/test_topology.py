@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from rd2h.errors import ConfigError, PortError, TopologyError
@@ -14,13 +14,10 @@ from rd2h.topology import (
     base_port,
     decode_ports,
     indexer_share,
-    indexer_shares,
     main_share,
-    main_shares,
     rank_port,
     remote_port,
     share,
-    shares,
 )
 
 # -- strategies ---------------------------------------------------------------------------
@@ -248,31 +245,6 @@ def test_small_chunks_rotate_over_ranks(sharers: int, data: st.DataObject) -> No
     assert owners_seen == set(range(sharers))  # not always rank 0
 
 
-@given(
-    st.lists(st.tuples(st.integers(0, 300), st.integers(0, 5000)), max_size=300),
-    st.integers(1, 64),
-    st.data(),
-)
-@settings(max_examples=60)
-def test_vectorized_equals_scalar(
-    chunks: list[tuple[int, int]], sharers: int, data: st.DataObject
-) -> None:
-    rank = data.draw(st.integers(0, sharers - 1))
-    member = data.draw(st.integers(0, 3))
-    n = np.array([c[0] for c in chunks], dtype=np.int64)
-    s = np.array([c[1] for c in chunks], dtype=np.int64)
-    lo, hi = shares(n, s, sharers, rank)
-    assert lo.dtype == np.int64 and hi.dtype == np.int64
-    expected = [share(a, sharers, rank, b) for a, b in chunks]
-    assert [(int(a), int(b)) for a, b in zip(lo, hi)] == expected
-    mlo, mhi = main_shares(n, s, sharers, rank, member)
-    assert [(int(a), int(b)) for a, b in zip(mlo, mhi)] == [
-        main_share(a, b, sharers, rank, member) for a, b in chunks
-    ]
-    ilo, ihi = indexer_shares(n, s, sharers, rank)
-    assert (ilo == lo).all() and (ihi == hi).all()
-
-
 def test_bad_split_arguments_raise() -> None:
     with pytest.raises(TopologyError, match="rank 4 is out of range"):
         share(10, 4, 4, 0)
@@ -286,9 +258,3 @@ def test_bad_split_arguments_raise() -> None:
         main_share(5, 0, 2, 0, -1)
     with pytest.raises(TopologyError, match="out of range"):
         main_share(5, 0, 2, 2, 1)  # rank checked even for members that read nothing
-    with pytest.raises(TopologyError, match="shape"):
-        shares(np.zeros(3), np.zeros(2), 2, 0)
-    with pytest.raises(TopologyError, match=">= 0"):
-        shares(np.array([1, -1]), np.array([0, 0]), 2, 0)
-    empty = np.array([], dtype=np.int64)
-    assert [a.tolist() for a in shares(empty, empty, 3, 1)] == [[], []]
