@@ -29,7 +29,7 @@ from rd2h import plugins
 from rd2h.errors import ConfigError
 from rd2h.layout import LayerLayout
 from rd2h.sink import MainSplit, Sink
-from rd2h.source import DecodeEndpoint, SendResult, Source
+from rd2h.source import DecodeEndpoint, Source
 from rd2h.tensors import LayerTensors, host_buffer, layer_layout, record_event, tensor_layout
 from rd2h.topology import base_port, decode_ports
 from rd2h.outcome import Outcome, TerminalState
@@ -39,7 +39,6 @@ __all__ = [
     "KVSink",
     "KVSource",
     "DecodeEndpoint",
-    "SendResult",
     "TerminalState",
     "Outcome",
     "MainSplit",

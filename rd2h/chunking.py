@@ -4,6 +4,11 @@ With chunked prefill a request's prompt is computed over several steps. A block 
 announced once every token in it is computed; the final chunk also announces the last,
 partial block. Announced blocks are never announced again, so Decode reads each block
 exactly once.
+
+Each KV cache group of a request (main, indexer) is cut on its own: groups may hold a
+different number of tokens per block, so one step can complete two main blocks and one
+indexer block. A group may also start at ``first_block``: a prefix Decode already holds is
+never announced, and the first chunk starts there.
 """
 
 from __future__ import annotations
@@ -12,7 +17,12 @@ from dataclasses import dataclass
 
 from rd2h.errors import ConfigError, UnknownRequestError
 
-__all__ = ["Chunk", "ChunkPlanner"]
+__all__ = ["Chunk", "GroupChunks", "ChunkPlanner", "blocks_for"]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks ``num_tokens`` tokens occupy, the partial last one included."""
+    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,20 +39,66 @@ class Chunk:
 
 
 @dataclass(slots=True)
-class _Progress:
+class GroupChunks:
+    """One cache group of one request: how far it was announced, and its next chunk.
+
+    Raises ConfigError for a non-positive ``block_size`` or ``num_tokens``, or a
+    ``first_block`` outside ``0..blocks``.
+    """
+
+    block_size: int
     num_tokens: int
-    announced: int = 0  # positions [0, announced) were announced already
+    first_block: int = 0
+    announced: int = -1  # positions [first_block, announced) were announced already
     final_sent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.num_tokens <= 0:
+            raise ConfigError(f"num_tokens must be positive, got {self.num_tokens}")
+        if not 0 <= self.first_block <= self.num_blocks:
+            raise ConfigError(
+                f"first_block {self.first_block} outside 0..{self.num_blocks} "
+                f"({self.num_tokens} tokens of {self.block_size} per block)"
+            )
+        if self.announced < self.first_block:
+            self.announced = self.first_block
+
+    @property
+    def num_blocks(self) -> int:
+        return blocks_for(self.num_tokens, self.block_size)
+
+    def peek(self, computed_tokens: int) -> Chunk:
+        """The chunk that ``computed_tokens`` cached tokens make ready, not recorded.
+
+        Blocks of the skipped prefix are never part of a chunk. Raises ConfigError once the
+        final chunk was announced or for ``computed_tokens`` outside ``0..num_tokens``.
+        """
+        if self.final_sent:
+            raise ConfigError("its final chunk was already announced")
+        if not 0 <= computed_tokens <= self.num_tokens:
+            raise ConfigError(f"computed_tokens {computed_tokens} outside 0..{self.num_tokens}")
+        final = computed_tokens == self.num_tokens
+        ready = self.num_blocks if final else computed_tokens // self.block_size
+        return Chunk(self.announced, max(ready, self.announced), final)
+
+    def commit(self, chunk: Chunk) -> None:
+        """Record ``chunk`` (from ``peek``) as announced."""
+        self.announced = chunk.hi
+        self.final_sent = chunk.final
 
 
 class ChunkPlanner:
-    """Tracks, per request, how many blocks were announced and cuts the next chunk."""
+    """Tracks, per request, how many blocks were announced and cuts the next chunk
+    (one cache group, starting at block 0)."""
 
     def __init__(self, block_size: int) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
-        self._requests: dict[str, _Progress] = {}
+        self._requests: dict[str, GroupChunks] = {}
+        self._computed: dict[str, int] = {}
 
     def track(self, ext_id: str, num_tokens: int) -> None:
         """Start tracking a request whose prompt has ``num_tokens`` tokens."""
@@ -50,42 +106,43 @@ class ChunkPlanner:
             raise ConfigError(f"request {ext_id!r}: num_tokens must be positive, got {num_tokens}")
         if ext_id in self._requests:
             raise ConfigError(f"request {ext_id!r} is already tracked")
-        self._requests[ext_id] = _Progress(num_tokens)
+        self._requests[ext_id] = GroupChunks(self.block_size, num_tokens)
+        self._computed[ext_id] = 0
 
     def num_blocks(self, ext_id: str) -> int:
         """Blocks the whole prompt occupies, the partial last one included."""
-        return -(-self._progress(ext_id).num_tokens // self.block_size)
+        return self._progress(ext_id).num_blocks
 
     def peek(self, ext_id: str, computed_tokens: int) -> Chunk:
         """The chunk ``advance`` would return, without recording it. Raises like ``advance``."""
         progress = self._progress(ext_id)
-        if progress.final_sent:
-            raise ConfigError(f"request {ext_id!r}: its final chunk was already announced")
-        if not 0 <= computed_tokens <= progress.num_tokens:
-            raise ConfigError(
-                f"request {ext_id!r}: computed_tokens {computed_tokens} outside 0..{progress.num_tokens}"
-            )
-        final = computed_tokens == progress.num_tokens
-        ready = self.num_blocks(ext_id) if final else computed_tokens // self.block_size
-        if ready < progress.announced:
+        try:
+            chunk = progress.peek(computed_tokens)
+        except ConfigError as exc:
+            raise ConfigError(f"request {ext_id!r}: {exc}") from None
+        if computed_tokens < self._computed[ext_id]:
             raise ConfigError(
                 f"request {ext_id!r}: computed_tokens went back ({computed_tokens} tokens after "
-                f"{progress.announced} blocks were announced)"
+                f"{self._computed[ext_id]})"
             )
-        return Chunk(progress.announced, ready, final)
+        return chunk
 
     def advance(self, ext_id: str, computed_tokens: int) -> Chunk:
-        """The chunk made ready once ``computed_tokens`` prompt tokens are in the cache."""
+        """The chunk made ready once ``computed_tokens`` prompt tokens are in the cache.
+
+        Raises UnknownRequestError for an untracked id, ConfigError once the final chunk was
+        announced, for tokens outside ``0..num_tokens`` or fewer than last time.
+        """
         chunk = self.peek(ext_id, computed_tokens)
-        progress = self._requests[ext_id]
-        progress.announced = chunk.hi
-        progress.final_sent = chunk.final
+        self._requests[ext_id].commit(chunk)
+        self._computed[ext_id] = computed_tokens
         return chunk
 
     def forget(self, ext_id: str) -> None:
         self._requests.pop(ext_id, None)
+        self._computed.pop(ext_id, None)
 
-    def _progress(self, ext_id: str) -> _Progress:
+    def _progress(self, ext_id: str) -> GroupChunks:
         try:
             return self._requests[ext_id]
         except KeyError:
