@@ -4,6 +4,8 @@ either decode to a valid message or raise RemoteProtocolError."""
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -678,3 +680,33 @@ def test_encode_readiness_is_encode_of_the_batch(layer_idx, name, reqs, done, ra
     frame = p.encode_readiness(layer_idx, name, p.pack_read_reqs(read_reqs), tuple(done), member, ratio)
     assert frame == p.encode(batch)
     assert p.decode_request(frame) == batch
+
+
+# -- docs/protocol.md shows the bytes this codec writes -----------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+
+def _hex_blocks(text: str) -> list[bytes]:
+    """The bytes of each fenced block of annotated hex (a line's leading two-digit tokens)."""
+    blocks = []
+    for block in re.findall(r"```\n(.*?)```", text, flags=re.S):
+        tokens = []
+        for line in block.splitlines():
+            for token in line.split():
+                if not re.fullmatch(r"[0-9a-f]{2}", token):
+                    break
+                tokens.append(token)
+        if tokens:
+            blocks.append(bytes.fromhex("".join(tokens)))
+    return blocks
+
+
+def test_the_examples_of_the_protocol_reference_are_what_the_codec_writes() -> None:
+    text = DOCS.read_text()
+    blocks = _hex_blocks(text)
+    meta = p.MfMeta("10.0.0.1:7000", msgpack.packb({}), engine_metadata=b"E")
+    readiness = p.ReadReadyBatch(3, "layers.3", (p.ReadRequest("req-a", (5, 6, 300), (5, 6)),), ("req-a",))
+    assert p.encode(meta) in blocks and p.encode(readiness) in blocks
+    for reply in (p.ReadDone(3), p.ReadFailed(3, "x", ("req-a",), "RegionError")):
+        assert p.encode(reply).hex(" ") in text
