@@ -1,0 +1,81 @@
+"""Everything that touches the NIXL wheel: finding it, importing it, mapping its errors,
+and bounded calls into it.
+
+NIXL raises its own exception classes (``nixlRemoteDisconnectError``, ...) from its bindings;
+they are turned into rd2h's here, once. A native call that may block runs in a thread of
+its own and is waited for at most ``timeout`` seconds; it cannot be cancelled, so a caller
+that gets ``TransferTimeout`` treats what the call touches as still in use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import TypeVar
+
+from rd2h.errors import BackendUnavailableError, PeerGoneError, RD2HError, TransferError, TransferTimeout
+
+__all__ = ["environment", "import_nixl", "to_rd2h", "call", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'rd2h[nixl]' (the wheel nixl-cu12; install torch first, it declares torch)"
+# the wheels that provide NIXL's Python API, newest packaging first
+_MODULES = ("nixl_cu12", "nixl")
+
+T = TypeVar("T")
+
+
+def environment() -> tuple[bool, str]:
+    """Whether NIXL can start here; imports and starts nothing."""
+    if not any(importlib.util.find_spec(m) for m in _MODULES):
+        return False, f"NIXL is not installed ({INSTALL_HINT})"
+    return True, ""
+
+
+def import_nixl() -> ModuleType:
+    """The module with ``nixl_agent`` and ``nixl_agent_config``."""
+    for name in _MODULES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            raise BackendUnavailableError(f"NIXL cannot be imported ({exc}); {INSTALL_HINT}") from exc
+        except OSError as exc:  # its bundled libraries failed to load
+            raise BackendUnavailableError(f"NIXL cannot load its libraries: {exc}") from exc
+    raise BackendUnavailableError(f"NIXL is not installed; {INSTALL_HINT}")
+
+
+def to_rd2h(exc: BaseException, what: str) -> RD2HError:
+    """The rd2h error for an exception NIXL raised during ``what`` (rd2h's own pass through)."""
+    kind = type(exc).__name__
+    if isinstance(exc, RD2HError):
+        return exc
+    if "RemoteDisconnect" in kind:
+        return PeerGoneError(f"nixl {what}: the peer agent disconnected ({kind}: {exc})")
+    return TransferError(f"nixl {what} failed ({kind}: {exc})")
+
+
+def call(what: str, fn: Callable[[], T], timeout: float) -> T:
+    """``fn()``'s result; ``TransferTimeout`` after ``timeout`` s; NIXL's errors as rd2h's."""
+    box: list[object] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.append(exc)
+
+    t = threading.Thread(target=run, name=f"rd2h-nixl-{what}", daemon=True)
+    t.start()
+    t.join(max(timeout, 0.0))
+    if t.is_alive():
+        raise TransferTimeout(f"nixl {what} did not return within {timeout:.3g} s")
+    result = box[0]
+    if isinstance(result, RD2HError):
+        raise result
+    if isinstance(result, BaseException):
+        raise to_rd2h(result, what) from result
+    return result  # type: ignore[return-value]

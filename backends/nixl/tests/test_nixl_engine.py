@@ -1,0 +1,154 @@
+"""What the conformance suite cannot know about the nixl engine: options, metadata, the progress
+thread's cost, and UCX over TCP (what two hosts use) with a stopped and a killed peer."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
+from rd2h.interfaces import Region
+from rd2h.plugins import engine_class, load_engine
+from rd2h.testing.peer import PeerProcess
+from rd2h_nixl import NixlEngine, _metadata, _native
+
+TCP = {"UCX_TLS": "tcp,self"}  # keeps two processes of one host off cma, as on two hosts
+
+
+def test_published_under_its_entry_point() -> None:
+    assert engine_class("nixl") is NixlEngine
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"role": "both"}, "role"),
+        ({"role": "decode", "timeout": -1}, "timeout"),
+        ({"role": "decode", "progress_thread": "yes"}, "progress_thread"),
+        ({"role": "decode", "progress_delay_us": -5}, "progress_delay_us"),
+        ({"role": "decode", "agent_name": ""}, "agent_name"),
+        ({"role": "decode", "backend": "NOPE"}, "NOPE"),
+        ({"role": "decode", "threads": 2}, "threads"),
+    ],
+)
+def test_bad_options_are_config_errors(options: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        NixlEngine(**options)
+
+
+def test_missing_wheel_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_native.importlib.util, "find_spec", lambda name: None)
+    assert "rd2h[nixl]" in NixlEngine.availability().reason
+    with pytest.raises(BackendUnavailableError, match=r"rd2h\[nixl\]"):
+        NixlEngine("decode")
+
+
+def test_progress_thread_follows_the_role() -> None:
+    with NixlEngine("prefill") as p, NixlEngine("decode") as d:
+        assert p.progress_thread and not d.progress_thread
+
+
+def _cpu_while_idle(engine: NixlEngine, seconds: float) -> float:
+    start = time.process_time()
+    threading.Event().wait(seconds)  # measuring what the agent's thread burns, not waiting for it
+    return time.process_time() - start
+
+
+def test_an_idle_progress_thread_does_not_spin() -> None:
+    with NixlEngine("prefill") as quiet:
+        assert _cpu_while_idle(quiet, 0.5) < 0.15
+    with NixlEngine("prefill", progress_delay_us=0) as spinning:  # what NIXL's own wrapper does
+        assert _cpu_while_idle(spinning, 0.5) > 0.3
+
+
+class TestMetadata:
+    def test_round_trip(self) -> None:
+        blob = _metadata.encode("agent-1", b"\x01md", [(4096, 8192)])
+        assert _metadata.decode(blob) == ("agent-1", b"\x01md", [(4096, 8192)])
+
+    @pytest.mark.parametrize(
+        "blob",
+        [
+            msgpack.packb([b"rd2h-mooncake", 1, "a", b"m", []]),
+            msgpack.packb([b"rd2h-nixl", 2, "a", b"m", []]),
+            msgpack.packb([b"rd2h-nixl", 1, "", b"m", []]),
+            msgpack.packb([b"rd2h-nixl", 1, "a", "not bytes", []]),
+            msgpack.packb([b"rd2h-nixl", 1, "a", b"", []]),
+            msgpack.packb([b"rd2h-nixl", 1, "a", b"m", [[1, 0]]]),
+        ],
+    )
+    def test_garbage_names_the_engine(self, blob: bytes) -> None:
+        with pytest.raises(TransferError, match="nixl-engine metadata"):
+            _metadata.decode(blob)
+
+
+def test_metadata_of_another_agent_is_refused() -> None:
+    with NixlEngine("prefill") as a, NixlEngine("decode") as reader:
+        mem = mmap.mmap(-1, 4096)
+        real = a.register([Region(np.frombuffer(mem, np.uint8).ctypes.data, 4096)])
+        name, md, regions = _metadata.decode(real)
+        with pytest.raises(TransferError, match="names agent"):
+            reader.connect(_metadata.encode("someone-else", md, regions))
+
+
+@pytest.fixture
+def tcp_reader(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[NixlEngine, np.ndarray]]:
+    for key, value in TCP.items():
+        monkeypatch.setenv(key, value)
+    with load_engine("nixl", "decode", timeout=3.0) as engine:
+        mem = mmap.mmap(-1, 4 << 20)
+        dest = np.frombuffer(mem, dtype=np.uint8)
+        engine.register([Region(dest.ctypes.data, len(dest))])
+        yield engine, dest
+
+
+@pytest.fixture
+def tcp_peer() -> Iterator[PeerProcess]:
+    with PeerProcess("nixl", sizes=(4 << 20,), seed=9, env=TCP) as p:
+        yield p
+
+
+def _whole(dest: np.ndarray, peer: PeerProcess) -> tuple[np.ndarray, ...]:
+    return (
+        np.array([dest.ctypes.data], np.int64),
+        np.array([peer.regions[0][0]], np.int64),
+        np.array([len(dest)], np.int64),
+    )
+
+
+def test_tcp_stopped_peer_times_out_and_a_resumed_one_is_read_again(
+    tcp_reader: tuple[NixlEngine, np.ndarray], tcp_peer: PeerProcess
+) -> None:
+    engine, dest = tcp_reader
+    session = engine.connect(tcp_peer.metadata)
+    engine.read_batch(session, *_whole(dest, tcp_peer))
+    assert np.array_equal(dest, tcp_peer.expected(0))
+    os.kill(tcp_peer.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout, match="in progress"):
+            engine.read_batch(session, *_whole(dest, tcp_peer))
+        assert time.monotonic() - start < engine.timeout + 2
+    finally:
+        os.kill(tcp_peer.pid, signal.SIGCONT)
+    dest[:] = 0
+    engine.read_batch(engine.connect(tcp_peer.metadata), *_whole(dest, tcp_peer))
+    assert np.array_equal(dest, tcp_peer.expected(0))
+
+
+def test_tcp_killed_peer_is_peer_gone(tcp_reader: tuple[NixlEngine, np.ndarray], tcp_peer: PeerProcess) -> None:
+    engine, dest = tcp_reader
+    session = engine.connect(tcp_peer.metadata)
+    engine.read_batch(session, *_whole(dest, tcp_peer))
+    tcp_peer.kill()
+    with pytest.raises(PeerGoneError):
+        engine.read_batch(session, *_whole(dest, tcp_peer))
