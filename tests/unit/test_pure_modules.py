@@ -1,9 +1,10 @@
-"""The pure modules (protocol, topology, layout, regions, tracking, chunking) import no transport, framework or
-backend: they hold the logic and must stay testable and importable without sockets or devices.
+"""The pure modules import no transport, framework, thread or runtime: they hold the logic and must
+stay testable and importable without sockets or devices.
 
-Checked twice: statically, by reading each file's imports (including ``importlib``/``__import__``
-calls with a literal name), and at run time, by importing the modules in a fresh interpreter and
-looking at ``sys.modules``, which also catches a forbidden import made by something they import.
+The rule itself is the import-linter contract ``pure`` in pyproject.toml (run by
+test_import_contracts.py). These checks cover what import-linter cannot see, for the same module
+list: ``importlib``/``__import__`` calls with a literal name in the source, and what importing the
+modules in a fresh interpreter really loads (``sys.modules``).
 """
 
 from __future__ import annotations
@@ -18,24 +19,32 @@ import pytest
 
 import rd2h
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 PACKAGE = Path(rd2h.__file__).parent
-REQUIRED = ["protocol", "topology", "layout", "planning", "tracking", "slots", "statemachine", "regions", "chunking", "coverage"]  # must exist
-OPTIONAL: list[str] = []  # checked once they exist
-
-FORBIDDEN_TOP = {"zmq", "torch", "torch_npu", "vllm", "memfabric_hybrid", "stevedore"}
-# I/O from the standard library: checked in the source only (a dependency may load them)
-FORBIDDEN_STDLIB = {"socket", "subprocess", "multiprocessing", "asyncio", "selectors"}
-# rd2h modules that own threads, sockets or plugins, or import frameworks
-FORBIDDEN_RD2H = {"source", "sink", "plugins", "api", "cli", "vllm", "proxy", "testing"}
+PYPROJECT = PACKAGE.parent / "pyproject.toml"
 
 
-def forbidden(name: str, *, stdlib: bool = True) -> bool:
-    parts = name.split(".")
-    if stdlib and parts[0] in FORBIDDEN_STDLIB:
-        return True
-    if parts[0] in FORBIDDEN_TOP or parts[0].startswith("rd2h_"):
-        return True
-    return parts[0] == "rd2h" and len(parts) > 1 and parts[1] in FORBIDDEN_RD2H
+def _pure_contract() -> dict:
+    contracts = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
+    return next(c for c in contracts if c.get("id") == "pure")
+
+
+CONTRACT = _pure_contract()
+PURE = [name.removeprefix("rd2h.") for name in CONTRACT["source_modules"]]
+FORBIDDEN = tuple(CONTRACT["forbidden_modules"])
+IGNORED = {tuple(part.strip() for part in rule.split("->")) for rule in CONTRACT.get("ignore_imports", [])}
+
+
+def forbidden(name: str, *, importer: str = "", stdlib: bool = True) -> bool:
+    if (importer, name) in IGNORED:
+        return False
+    if not stdlib and name.split(".")[0] in sys.stdlib_module_names:
+        return False
+    return any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
 
 
 def imported_names(path: Path) -> list[str]:
@@ -60,39 +69,34 @@ def imported_names(path: Path) -> list[str]:
     return names
 
 
-def module_path(name: str) -> Path:
-    path = PACKAGE / f"{name}.py"
-    if not path.exists() and name in OPTIONAL:
-        pytest.skip(f"rd2h/{name}.py does not exist yet")
-    assert path.exists(), f"rd2h/{name}.py is missing"
-    return path
-
-
-@pytest.mark.parametrize("name", REQUIRED + OPTIONAL)
+@pytest.mark.parametrize("name", PURE)
 def test_pure_module_imports_nothing_forbidden(name: str) -> None:
-    bad = sorted({n for n in imported_names(module_path(name)) if forbidden(n)})
+    path = PACKAGE / f"{name}.py"
+    assert path.exists(), f"rd2h/{name}.py is in the import contract but missing"
+    bad = sorted({n for n in imported_names(path) if forbidden(n, importer=f"rd2h.{name}")})
     assert not bad, f"rd2h/{name}.py imports {bad}; pure modules must not"
 
 
 def test_pure_modules_load_nothing_forbidden_at_run_time() -> None:
-    present = [n for n in REQUIRED + OPTIONAL if (PACKAGE / f"{n}.py").exists()]
-    assert "protocol" in present
+    assert "protocol" in PURE and "layout" in PURE
     code = (
         "import importlib, json, sys\n"
-        f"for n in {present!r}: importlib.import_module('rd2h.' + n)\n"
+        f"for n in {PURE!r}: importlib.import_module('rd2h.' + n)\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     loaded = json.loads(out.stdout)
+    # the standard library's own modules (threading, socket) may be loaded by a dependency
     bad = [m for m in loaded if forbidden(m, stdlib=False)]
-    assert not bad, f"importing {present} loads {bad}"
+    assert not bad, f"importing {PURE} loads {bad}"
 
 
 def test_the_scan_sees_forbidden_imports(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text(
         "import os\nimport socket\nimport zmq.asyncio\nfrom torch import nn\nfrom . import sink\nfrom .plugins import load\n"
-        "import importlib\nimportlib.import_module('rd2h_local')\n__import__('vllm')\n"
+        "import importlib\nimportlib.import_module('rd2h_local')\n__import__('vllm')\nimport threading\n"
     )
     bad = sorted(n for n in imported_names(sample) if forbidden(n))
-    assert bad == ["rd2h.plugins", "rd2h.sink", "rd2h_local", "socket", "torch", "vllm", "zmq.asyncio"]
+    assert bad == ["rd2h.plugins", "rd2h.sink", "rd2h_local", "socket", "threading", "torch", "vllm", "zmq.asyncio"]
+    assert not forbidden("threading", importer="rd2h.clock")  # the contract's one exception
