@@ -89,7 +89,9 @@ class LayerPlan:
     ``local[i]``, ``remote[i]`` and ``lengths[i]`` describe one contiguous copy; ``requests``
     are the request ids that are fully described (in input order, including requests with
     no blocks), ``failed`` maps each left-out request id to its error. ``blocks`` counts
-    the block ids read (main plus indexer), ``nbytes`` the bytes moved.
+    the block ids read (main plus indexer), ``nbytes`` the bytes moved. ``bounds[k]`` is
+    where the descriptors of the layer's ``k``-th tensor (in ``LayerLayout.tensors()``
+    order) end; the first start at 0.
     """
 
     local: Int64Array
@@ -99,6 +101,7 @@ class LayerPlan:
     failed: dict[str, LayoutError]
     blocks: int
     nbytes: int
+    bounds: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         """Number of descriptors."""
@@ -393,6 +396,7 @@ def _build(
     remote = scratch.take("remote", total)
     lengths = scratch.take("lengths", total)
     at = nbytes = 0
+    bounds = []
     blocks = sum(g.S.size for g in groups)
     for s, d, count, s_ids, d_ids, run in pieces:
         seg = slice(at, at + s_ids.size)
@@ -406,6 +410,7 @@ def _build(
             np.multiply(run, s.block_bytes, out=lengths[seg])
         nbytes += count * s.block_bytes
         at = seg.stop
+        bounds.append(at)
     if scratch.keep:
         for a in (local, remote, lengths):
             a.flags.writeable = False
@@ -421,4 +426,5 @@ def _build(
         failed=failed_by_id,
         blocks=blocks,
         nbytes=nbytes,
+        bounds=tuple(bounds),
     )

@@ -177,6 +177,7 @@ class _Request:
     peers: set[bytes] = field(default_factory=set)  # identities that announced it
     nbytes: int = 0
     reading: bool = False  # a read may be writing its destinations now
+    serial: int = 0  # tells this request apart from an earlier one of the same id
 
     def apply(self, event: _Event, error: RD2HError | None = None) -> None:
         new = step(_TRANSITIONS, self.state, event, f"request {self.ext_id!r}")
@@ -212,6 +213,9 @@ class Admission:
     readable: dict[str, Destinations]
     refused: dict[str, RD2HError]
     meta_required: bool = False
+    # which expected requests were admitted (id, serial): what is derived from ``readable``
+    # may be reused while this stays the same
+    requests: tuple[tuple[str, int], ...] = ()
 
 
 def _chunk(req: protocol.ReadRequest) -> ChunkKey:
@@ -264,6 +268,7 @@ class ReceiveTracker:
         self._requests: dict[str, _Request] = {}
         self._peers: dict[bytes, _Peer] = {}
         self._early: OrderedDict[str, float] = OrderedDict()
+        self._serials = 0
         self._book = OutcomeBook()
         self.malformed = 0  # messages refused before any request could be named
 
@@ -305,6 +310,8 @@ class ReceiveTracker:
             started=now,
             deadline=None if timeout is None else now + timeout,
         )
+        self._serials += 1
+        request.serial = self._serials
         self._requests[ext_id] = request
         if self._early.pop(ext_id, None) is not None:
             self._fail(request, StateError(
@@ -416,6 +423,7 @@ class ReceiveTracker:
             return Admission({}, {}, meta_required=True)
         readable: dict[str, Destinations] = {}
         refused: dict[str, RD2HError] = {}
+        serials: list[tuple[str, int]] = []
         for req in batch.read_reqs:
             ext_id = req.ext_req_id
             if ext_id in readable or ext_id in refused:
@@ -436,7 +444,8 @@ class ReceiveTracker:
             request.peers.add(identity)
             request.reading = True
             readable[ext_id] = request.destinations
-        return Admission(readable, refused)
+            serials.append((ext_id, request.serial))
+        return Admission(readable, refused, requests=tuple(serials))
 
     def on_read(
         self,

@@ -40,8 +40,9 @@ from rd2h.errors import (
     wire_kind,
 )
 from rd2h.interfaces import Listener, Session, TransferEngine
-from rd2h.layout import LayerLayout, validate_layer
-from rd2h.planning import LayerPlan, PlanBuilder, RequestRead
+from rd2h.layout import LayerLayout
+from rd2h.plan_cache import StepPlans
+from rd2h.planning import LayerPlan, RequestRead
 from rd2h.outcome import Outcome
 from rd2h.receiving import Admission, Destinations, MainSplit, ReceiveTracker, plan_reads
 from rd2h.regions import RegionSet, merge_by_device
@@ -142,7 +143,10 @@ class Sink:
         self._liveness = liveness_seconds
         self._on_layer = on_layer
         self._peers: dict[bytes, _Peer] = {}  # loop thread only
-        self._plans = PlanBuilder()  # loop thread only; a plan is read before the next is built
+        # loop thread only: what a step repeats on every layer is derived once per step
+        self._decoder = protocol.ReadinessDecoder()
+        self._plans = StepPlans()  # a plan is read before the next is built
+        self._step_reads: dict[object, tuple[list[RequestRead], dict[str, RD2HError]]] = {}
         self._changed = threading.Condition()  # guards the tracker (user threads vs the loop)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -279,7 +283,7 @@ class Sink:
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         try:
-            message = protocol.decode_request(frame)
+            message = self._decoder.decode(frame)
         except ProtocolError as exc:
             self.counters.malformed += 1
             log.warning("rank %d: dropped a malformed message from %r: %s", self.rank, identity, exc)
@@ -296,10 +300,10 @@ class Sink:
         try:
             protocol.check_compatible(meta, accept_legacy=self._accept_legacy)
             layers = meta.layers()
-            if meta.engine_metadata:
-                session = self._engine.connect(meta.engine_metadata)
-            else:  # a reference-shaped peer: only its session id to go on
+            if meta.legacy:  # a reference-shaped peer: only its session id to go on
                 session = self._engine.connect_legacy(meta.p_session)
+            else:
+                session = self._engine.connect(meta.engine_metadata)
         except RD2HError as exc:
             # No ACK: every readiness of this peer is answered with this reason instead.
             log.error("rank %d: refused mf_meta from %s: %s", self.rank, meta.p_session[:80], exc)
@@ -356,12 +360,21 @@ class Sink:
         if src is None or dst is None:
             side = "Prefill" if src is None else "Decode"
             raise LayoutError(f"layer {batch.layer_name!r} unknown on {side}")
-        validate_layer(batch.layer_name, src, dst)
-        reads, refused = plan_reads(
-            batch, admission.readable, decode_rank=self.rank, decode_tp=self.tp_size, main_split=self.main_split
-        )
+        key = None
+        if batch.reqs_bytes:  # the same readiness of the step: the same reads
+            key = (identity, batch.reqs_bytes, batch.group_member_idx, batch.tp_ratio, admission.requests)
+        cached = None if key is None else self._step_reads.get(key)
+        if cached is None:
+            cached = plan_reads(
+                batch, admission.readable, decode_rank=self.rank, decode_tp=self.tp_size, main_split=self.main_split
+            )
+            if key is not None:
+                self._step_reads[key] = cached
+                if len(self._step_reads) > 8:  # the latest steps of the latest peers
+                    del self._step_reads[next(iter(self._step_reads))]
+        reads, refused = cached
         plan = self._plans.build(
-            src, dst, reads, src_regions=peer.regions, dst_regions=self._regions, layer_name=batch.layer_name
+            key, src, dst, reads, src_regions=peer.regions, dst_regions=self._regions, layer_name=batch.layer_name
         )
         return plan, reads, {**refused, **plan.failed}
 
