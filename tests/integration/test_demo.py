@@ -56,24 +56,21 @@ def test_zero_block_ranks_still_acknowledge(kv_port: int) -> None:
 
 
 def test_a_dying_child_fails_the_demo_fast_and_leaves_no_orphans(kv_port: int) -> None:
-    config = _small(prefill_tp=2, decode_tp=2, layers=64, requests=4, max_tokens=2048, kv_port=kv_port)
+    config = _small(prefill_tp=2, decode_tp=2, layers=64, requests=8, max_tokens=8192, kv_port=kv_port)
     outcome: list[BaseException | object] = []
+    moving = threading.Event()  # set once a layer was read: the run is under way
 
     def run() -> None:
         try:
-            outcome.append(run_demo(config))
+            outcome.append(run_demo(config, progress=lambda done, total: moving.set()))
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             outcome.append(exc)
 
     thread = threading.Thread(target=run)
     thread.start()
-    victim = None
-    deadline = time.monotonic() + 60
-    while victim is None and time.monotonic() < deadline:
-        victim = next((c for c in multiprocessing.active_children() if c.name == "decode-1"), None)
-        time.sleep(0.05)
+    assert moving.wait(60), "the demo never got going"
+    victim = next((c for c in multiprocessing.active_children() if c.name == "decode-1"), None)
     assert victim is not None
-    time.sleep(1.0)  # let it get going
     killed_at = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
     thread.join(30)
