@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -32,6 +33,21 @@ def environment() -> tuple[bool, str]:
     if not any(importlib.util.find_spec(m) for m in _MODULES):
         return False, f"NIXL is not installed ({INSTALL_HINT})"
     return True, ""
+
+
+def prepare_environment() -> None:
+    """UCX settings that must be in the environment before NIXL loads UCX; the user's win.
+
+    - ``UCX_LOG_FILE=stderr``: UCX logs to stdout by default (a request NIXL leaks on a
+      disconnected peer is reported at exit), and stdout may be a protocol (``--json``).
+    - ``UCX_MODULES=^ib`` on a host without RDMA devices: with UCX's InfiniBand modules
+      loaded, nixl-cu12 1.5.1's bundled libnl-route crashes the process at exit (SIGSEGV in
+      ``rtnl_tc_unregister`` from ``_dl_fini``), so every process that built an agent would
+      exit with 139; without RDMA devices those modules serve nothing.
+    """
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    if not os.path.isdir("/sys/class/infiniband"):
+        os.environ.setdefault("UCX_MODULES", "^ib")
 
 
 def import_nixl() -> ModuleType:

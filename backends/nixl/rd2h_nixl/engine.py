@@ -131,6 +131,7 @@ class NixlEngine(TransferEngine):
             raise BackendUnavailableError(f"the nixl engine cannot run here: {reason}")
         if ucx_tls is not None:
             os.environ["UCX_TLS"] = ucx_tls
+        _native.prepare_environment()
         self.role = role
         self.timeout = float(timeout)
         self.progress_thread = progress_thread

@@ -6,6 +6,8 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -152,3 +154,12 @@ def test_tcp_killed_peer_is_peer_gone(tcp_reader: tuple[NixlEngine, np.ndarray],
     tcp_peer.kill()
     with pytest.raises(PeerGoneError):
         engine.read_batch(session, *_whole(dest, tcp_peer))
+
+
+def test_a_process_with_an_agent_exits_cleanly() -> None:
+    # nixl-cu12 1.5.1 with UCX's InfiniBand modules loaded dies in libnl-route at exit (rc -11);
+    # UCX logs to stdout unless told otherwise
+    env = {k: v for k, v in os.environ.items() if k not in ("UCX_MODULES", "UCX_LOG_FILE")}
+    code = "from rd2h_nixl import NixlEngine\nNixlEngine('decode').close()\nNixlEngine('prefill')\n"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
