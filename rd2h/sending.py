@@ -19,10 +19,17 @@ FAILED, ABORTED exactly once, as an :class:`~rd2h.outcome.Outcome` handed out on
 In-flight readiness names request *instances*, never ids, so a late reply about an
 earlier request can never touch a later one with the same id.
 
-Endpoints (``EndpointState``): NEW (this connection has no mf_meta from us), INTRODUCED,
-SILENT (no reply within ``reply_timeout``: its readiness counts as answered, its requests
-fail with :class:`~rd2h.errors.ReplyTimeout`, the connection is dropped; a new request
-naming it revives it as NEW).
+Endpoints (``EndpointState``)::
+
+    NEW --send (mf_meta first)--> INTRODUCED --META_REQUIRED--> NEW
+    NEW/INTRODUCED/REINTRODUCED --oldest readiness unanswered past reply_timeout--> SILENT
+    SILENT --a new request names it--> REVIVED --send (mf_meta first)--> REINTRODUCED
+    REINTRODUCED --every mf_meta acknowledged--> INTRODUCED
+
+A SILENT endpoint's readiness counts as answered, the requests naming it fail with
+:class:`~rd2h.errors.ReplyTimeout` and the connection is dropped. After a revival, replies
+that come before Decode acknowledges the new mf_meta answer abandoned readiness (the dialer
+keeps its identity across reconnects) and are dropped as stale.
 
 Remote input never raises: malformed frames, replies for layers not in flight or from
 unknown endpoints, READ_FAILED naming requests that are not there are counted in
@@ -99,10 +106,13 @@ class EndpointState(Enum):
     NEW = "new"  # no mf_meta sent on this connection
     INTRODUCED = "introduced"
     SILENT = "silent"  # abandoned after reply_timeout; skipped until revived
+    REVIVED = "revived"  # named again after silence; no mf_meta sent on the new connection yet
+    REINTRODUCED = "reintroduced"  # mf_meta sent again; replies before its ACK are stale
 
 
 class _EndpointEvent(Enum):
     SEND = "send readiness"
+    ACKED = "every mf_meta acknowledged"
     META_REQUIRED = "mf_meta required"
     SEND_FAILED = "send failed"
     TIMEOUT = "reply timeout"
@@ -113,16 +123,29 @@ _E, _EE = EndpointState, _EndpointEvent
 _ENDPOINT_TRANSITIONS = {
     (_E.NEW, _EE.SEND): _E.INTRODUCED,
     (_E.INTRODUCED, _EE.SEND): _E.INTRODUCED,
+    (_E.REVIVED, _EE.SEND): _E.REINTRODUCED,
+    (_E.REINTRODUCED, _EE.SEND): _E.REINTRODUCED,
+    (_E.REINTRODUCED, _EE.ACKED): _E.INTRODUCED,
     (_E.NEW, _EE.META_REQUIRED): _E.NEW,
     (_E.INTRODUCED, _EE.META_REQUIRED): _E.NEW,
     (_E.NEW, _EE.SEND_FAILED): _E.NEW,
     (_E.INTRODUCED, _EE.SEND_FAILED): _E.NEW,
+    (_E.REVIVED, _EE.SEND_FAILED): _E.REVIVED,
+    (_E.REINTRODUCED, _EE.SEND_FAILED): _E.REVIVED,
     (_E.NEW, _EE.TIMEOUT): _E.SILENT,
     (_E.INTRODUCED, _EE.TIMEOUT): _E.SILENT,
-    (_E.SILENT, _EE.REVIVE): _E.NEW,
+    (_E.REINTRODUCED, _EE.TIMEOUT): _E.SILENT,
+    (_E.SILENT, _EE.REVIVE): _E.REVIVED,
     (_E.NEW, _EE.REVIVE): _E.NEW,
     (_E.INTRODUCED, _EE.REVIVE): _E.INTRODUCED,
+    (_E.REVIVED, _EE.REVIVE): _E.REVIVED,
+    (_E.REINTRODUCED, _EE.REVIVE): _E.REINTRODUCED,
 }
+_NEEDS_META = frozenset({_E.NEW, _E.REVIVED})
+# A dialer keeps its identity across reconnects (zmq's ROUTER_HANDOVER), so a Decode that was
+# only slow still answers readiness abandoned with the old connection; it answers in order,
+# so everything before the ACK of the mf_meta sent on the new connection is such a reply.
+_STALE = frozenset({_E.REVIVED, _E.REINTRODUCED})
 
 _Ids = npt.NDArray[np.int64]
 
@@ -187,6 +210,7 @@ class _Sent:
 class _Endpoint:
     state: EndpointState = EndpointState.NEW
     in_flight: dict[int, _Sent] = field(default_factory=dict)  # oldest first
+    unacked: int = 0  # mf_meta frames sent (since it was last revived) and not yet acknowledged
 
 
 @dataclass(slots=True)
@@ -256,7 +280,7 @@ class SendTracker:
         self._draining = np.zeros(16, bool)
         self._owner: dict[int, _Request] = {}
         self._free = list(range(15, -1, -1))
-        self.counters = {"stray": 0, "malformed": 0, "unknown_failed_ids": 0, "acks": 0}
+        self.counters = {"stray": 0, "stale": 0, "malformed": 0, "unknown_failed_ids": 0, "acks": 0}
 
     # -- local calls -----------------------------------------------------------------------
 
@@ -298,6 +322,8 @@ class SendTracker:
         indexer_ids = None if indexer_block_ids is None else _block_ids(indexer_block_ids, "indexer_block_ids")
         for address in addresses:
             endpoint = self._endpoints.setdefault(address, _Endpoint())
+            if endpoint.state is EndpointState.SILENT:
+                endpoint.unacked = 0  # an mf_meta the silent Decode never acknowledged is not waited for
             endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.REVIVE, address)
         request = _Request(
             ext_id, self._take_slot(), addresses, topology.member_of(self._rank), topology.ratio,
@@ -385,8 +411,9 @@ class SendTracker:
         for address, ann in targets:
             endpoint = self._endpoints[address]
             # a SILENT endpoint is named by no announced request (they failed when it fell silent)
-            if endpoint.state is EndpointState.NEW:
+            if endpoint.state in _NEEDS_META:
                 effects.sends.append((address, layer_idx, self._meta))
+                endpoint.unacked += 1
             endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
             frame = protocol.encode_readiness(
                 layer_idx, layer_name, ann.packed, ann.done if last else (), ann.member, ann.ratio
@@ -449,10 +476,17 @@ class SendTracker:
         except Exception:  # any bytes a peer sends: counted, never raised
             self.counters["malformed"] += 1
             return effects
+        endpoint = self._endpoints.get(address)
         if isinstance(reply, protocol.Ack):
             self.counters["acks"] += 1
+            if endpoint is not None and endpoint.unacked:
+                endpoint.unacked -= 1
+                if endpoint.unacked == 0 and endpoint.state is EndpointState.REINTRODUCED:
+                    endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.ACKED, address)
             return effects
-        endpoint = self._endpoints.get(address)
+        if endpoint is not None and endpoint.state in _STALE:
+            self.counters["stale"] += 1
+            return effects
         sent = None if endpoint is None else endpoint.in_flight.get(reply.layer_idx)
         if endpoint is None or sent is None:
             self.counters["stray"] += 1
@@ -462,6 +496,7 @@ class SendTracker:
             if not sent.resent:  # a restarted Decode read nothing: introduce ourselves, repeat once
                 sent.resent = True
                 endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
+                endpoint.unacked += 1
                 effects.sends += [(address, sent.layer_idx, self._meta), (address, sent.layer_idx, sent.frame)]
                 return effects
         del endpoint.in_flight[reply.layer_idx]
