@@ -2,10 +2,10 @@
 
     python bench/memfabric_vs_local.py [--layers 16 --blocks 512 --block-kib 64 --repeat 5 --json out.json]
 
-The same workload for both engines (``rd2h.cli.benchmark.measure_engine``): a peer process holds
+The same workload for both engines (``rd2h.cli.benchmark.measure_case``): a source process holds
 ``layers`` x ``blocks`` blocks; Decode reads each layer with one batched read of its blocks in
-a random order, and the last layer is checked byte for byte. memcpy of the same bytes on one
-and two threads is measured in the same run; the ratios to it are the result.
+a random order, checked byte for byte before timing. memcpy of the same bytes on one and two
+threads is measured in the same run, interleaved; the ratios to it are the result.
 
 memfabric needs its Ascend environment from process start. On a machine without one this
 script re-runs itself under the CPU test kit (tests/kit/memfabric-cpu, TEST-ONLY), which it
@@ -63,42 +63,33 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from rd2h.cli.benchmark import BenchConfig, measure_engine, measure_memcpy
+    from rd2h.cli.bench_report import headline_ratios
+    from rd2h.cli.benchmark import Case, EngineSpec, Layout, measure_case
 
-    config = BenchConfig(layers=args.layers, blocks=args.blocks, block_bytes=args.block_kib << 10, repeat=args.repeat)
-    store = f"tcp://127.0.0.1:{_free_port()}"
-    mf = {"store_url": store, "timeout": 60.0}
-    rows = [
-        measure_memcpy(config, 1),
-        measure_memcpy(config, 2),
-        measure_engine("local", config),
-        measure_engine("memfabric", config, options={"prefill": mf, "decode": {**mf, "start_store": True}}),
-    ]
-    gbps = {row.name: row.gbps for row in rows}
-    one, two = gbps["memcpy, 1 thread"], gbps["memcpy, 2 threads"]
-    local, memfabric = gbps["engine local"], gbps["engine memfabric"]
+    layout = Layout("dense", args.layers, args.blocks, (args.block_kib << 10,))
+    mf = {"store_url": f"tcp://127.0.0.1:{_free_port()}", "timeout": 60.0}
+    engines = [EngineSpec("local", threads=(1,)), EngineSpec("memfabric", mf, decode_options={"start_store": True})]
+    result = measure_case(Case(layout, "thp"), engines, threads=(1, 2), repeat=args.repeat)
+    if result.skipped:
+        raise SystemExit(f"not measured: {result.skipped}")
+    ratios = headline_ratios(result)
+    ratios["memfabric / local 1t"] = result.ratio("memfabric", "local 1t")
 
     under_kit = bool(os.environ.get("RD2H_BENCH_UNDER_KIT"))
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}, "
           f"Python {platform.python_version()}, numpy {np.__version__}, "
           f"memfabric-hybrid {_version('memfabric-hybrid')}{' (CPU test kit: HOST_TCP on loopback)' if under_kit else ''}")  # fmt: skip
-    print(f"{config.layers} layers x {config.blocks} blocks x {args.block_kib} KiB = "
-          f"{config.total_bytes / 2**30:.2f} GiB per pass, one read per layer, median of {config.repeat}")  # fmt: skip
-    print(f"{'method':<22}{'GB/s':>7}{'/memcpy 1t':>12}{'/memcpy 2t':>12}  verified  passes (GB/s)")
-    for row in rows:
-        passes = " ".join(f"{p:.2f}" for p in row.passes)
-        print(f"{row.name:<22}{row.gbps:>7.2f}{row.gbps / one:>12.2f}{row.gbps / two:>12.2f}  {str(row.verified):<8}  {passes}")
-    print(f"memfabric / local: {memfabric / local:.2f}")
+    print(f"{layout.layers} layers x {layout.blocks} blocks x {args.block_kib} KiB = "
+          f"{layout.total_bytes / 2**30:.2f} GiB per pass, one read per layer, median of {args.repeat} interleaved passes")  # fmt: skip
+    print(f"{'method':<22}{'GB/s':>7}  passes (GB/s)")
+    for name, passes in result.samples.items():
+        print(f"{name:<22}{result.median(name):>7.2f}  " + " ".join(f"{p:.2f}" for p in passes))
+    for name, value in ratios.items():
+        print(f"{name:<30}{value:>6.2f}")
     if args.json:
-        result = {
-            "config": vars(args),
-            "under_cpu_kit": under_kit,
-            "rows": [{"name": r.name, "gbps": r.gbps, "passes": r.passes, "verified": r.verified} for r in rows],
-            "ratios": {"local/memcpy1t": local / one, "memfabric/memcpy1t": memfabric / one,
-                       "memfabric/local": memfabric / local},
-        }  # fmt: skip
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0 if all(r.verified for r in rows) else 1
+        report = {"config": vars(args), "under_cpu_kit": under_kit, "case": result.to_json(), "ratios": ratios}
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
 
 
 def _version(dist: str) -> str:

@@ -1,67 +1,140 @@
-"""``rd2h bench``: transfer-engine throughput beside memcpy measured in the same run."""
+"""``rd2h bench``: every installed transfer engine against memcpy and the bare syscall,
+interleaved in one run, on an SFA and a dense layout; JSON and plots in a results folder."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import platform
+import os
+import socket
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from rd2h.cli.commands.demo import engine_option
+
+_SHORT = {"layer_mib": 2.0, "repeat": 3}
+_FULL = {"layer_mib": 16.0, "repeat": 7}
+
+
+def _csv(kind: type) -> Any:
+    return lambda text: [kind(v) for v in text.split(",") if v]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
-        help="measure transfer engines against memcpy on this machine",
-        description="Read LAYERS x BLOCKS x BLOCK-KIB from a peer process with one batched read per "
-        "layer, through each engine given, and report GB/s beside memcpy (1 and 2 threads) "
-        "measured in the same run.",
+        help="measure transfer engines against memcpy and process_vm_readv on this machine",
+        description="Read every layer of a DeepSeek-V3.2-like SFA layout (61 layers, four tensors) and of "
+        "a dense one from source processes, with one batched read per layer, through every installed "
+        "engine, beside memcpy of the same bytes and a bare process_vm_readv loop, methods interleaved "
+        "pass by pass. Prints medians and same-pass ratios; writes bench.json and PNG plots to --out. "
+        "The defaults take about a minute; --full gives the published figures.",
     )
-    parser.add_argument("--engine", action="append", default=[], help="engine to measure (repeatable; default local)")
-    parser.add_argument("--engine-option", type=engine_option, action="append", default=[],
-                        metavar="KEY=VALUE", help="an option for every engine measured (repeatable)")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--blocks", type=int, default=512)
-    parser.add_argument("--block-kib", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3, help="passes per method; the median is shown")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--engine", action="append", default=[],
+                        help="engine to measure (repeatable; default: every installed engine that can run here)")
+    parser.add_argument("--engine-option", type=engine_option, action="append", default=[], metavar="[ENGINE.]KEY=VALUE",
+                        help="an engine option, for every engine or, prefixed by its name, one (repeatable)")
+    parser.add_argument("--layout", type=_csv(str), default=["sfa", "dense"], help="comma-separated: sfa,dense")
+    parser.add_argument("--block-kib", type=_csv(int), default=[64, 16], help="main block sizes in KiB (64,16)")
+    parser.add_argument("--memory", type=_csv(str), default=["shared", "thp"],
+                        help="memory kinds of source and destination: shared (MAP_SHARED, 4 KiB pages), "
+                        "thp (private, MADV_HUGEPAGE)")
+    parser.add_argument("--threads", type=_csv(int), default=[1, 2], help="thread counts for memcpy, bare and local")
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--layer-mib", type=float, help=f"bytes per layer (default {_SHORT['layer_mib']:g}; --full {_FULL['layer_mib']:g})")
+    parser.add_argument("--repeat", type=int, help=f"timed passes per method (default {_SHORT['repeat']}; --full {_FULL['repeat']})")
+    parser.add_argument("--full", action="store_true", help="the sizes of docs/performance.md")
+    parser.add_argument("--memfabric-kit", action="store_true",
+                        help="re-run under memfabric's CPU test kit (tests/kit/memfabric-cpu, a source checkout) "
+                        "so memfabric is measured on a machine without Ascend")
+    parser.add_argument("--out", type=Path, default=Path("rd2h-bench-results"), help="results folder")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
-    from rd2h.cli.benchmark import BenchConfig, measure_engine, measure_memcpy
+def _engine_specs(names: list[str], options: list[tuple[str, object]], threads: list[int]) -> list[Any]:
+    from rd2h.cli.benchmark import EngineSpec
 
-    config = BenchConfig(args.layers, args.blocks, args.block_kib << 10, args.repeat)
-    options = dict(args.engine_option)
-    rows = []
-    for name in args.engine or ["local"]:
-        print(f"  measuring engine {name} ...", file=sys.stderr, flush=True)
-        rows.append(measure_engine(name, config, options={"prefill": options, "decode": options}))
-    print("  measuring memcpy ...", file=sys.stderr, flush=True)
-    limits = [measure_memcpy(config, 1), measure_memcpy(config, 2)]
-    limit = max(r.gbps for r in limits)
+    specs = []
+    for name in names:
+        mine: dict[str, Any] = {}
+        for key, value in options:
+            engine, dot, rest = key.partition(".")
+            if not dot:
+                mine[key] = value
+            elif engine == name:
+                mine[rest] = value
+        spec = EngineSpec(name, mine, tuple(threads) if name == "local" and "threads" not in mine else ())
+        if name == "memfabric":  # Decode hosts the config store; a fresh port a case
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                store = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            spec.options = {"store_url": store, "timeout": 60.0, **mine}
+            spec.decode_options = {"start_store": True}
+        specs.append(spec)
+    return specs
+
+
+def _reexec_under_kit() -> None:
+    import importlib.util
+
+    path = Path.cwd() / "tests" / "kit" / "memfabric-cpu" / "kitenv.py"
+    spec = importlib.util.spec_from_file_location("rd2h_kitenv", path)
+    if spec is None or spec.loader is None or not path.exists():
+        raise SystemExit(f"--memfabric-kit needs a source checkout: {path} is missing")
+    kitenv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kitenv)
+    env = kitenv.kit_env(sys.executable)
+    env["RD2H_BENCH_UNDER_KIT"] = "1"
+    argv = [a for a in sys.argv[1:] if a != "--memfabric-kit"]
+    os.execve(sys.executable, [sys.executable, "-m", "rd2h.cli", *argv], env)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.memfabric_kit and not os.environ.get("RD2H_BENCH_UNDER_KIT"):
+        _reexec_under_kit()
+    from rd2h.cli.bench_report import format_case, headline_ratios, machine, plot_cases, progress_bar, write_results
+    from rd2h.cli.benchmark import Case, available_engines, make_layout, measure_case
+
+    sizes = _FULL if args.full else _SHORT
+    layer_mib = args.layer_mib if args.layer_mib is not None else sizes["layer_mib"]
+    repeat = args.repeat if args.repeat is not None else sizes["repeat"]
+    engines = args.engine or available_engines()
+    cases = [Case(make_layout(layout, kib, layer_mib, args.layers), memory)
+             for layout in args.layout for kib in args.block_kib for memory in args.memory]
+    per_case = 2 * len(args.threads) + sum(len(list(s.methods())) for s in _engine_specs(engines, args.engine_option, args.threads))
+    per_case += len(args.threads) if "local" in engines else 0
+    started = time.monotonic()
+    results = []
+    bar, step = progress_bar(len(cases) * per_case * repeat)
+    with bar:
+        for case in cases:
+            specs = _engine_specs(engines, args.engine_option, args.threads)
+            results.append(measure_case(case, specs, threads=args.threads, repeat=repeat, progress=step))
+    report = {
+        "command": "rd2h " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "under_memfabric_kit": bool(os.environ.get("RD2H_BENCH_UNDER_KIT")),
+        "settings": {"engines": engines, "layer_mib": layer_mib, "repeat": repeat, "threads": args.threads,
+                     "engine_options": [list(o) for o in args.engine_option]},
+        "seconds": time.monotonic() - started,
+        "cases": [dict(r.to_json(), ratios=headline_ratios(r)) for r in results],
+    }
+    path = write_results(args.out, report)
+    plots = [] if args.no_plots else plot_cases(args.out, results)
     if args.json:
-        report = {
-            "config": dataclasses.asdict(config),
-            "machine": {"cpus": _cpus(), "python": platform.python_version(), "system": platform.platform()},
-            "rows": [dict(dataclasses.asdict(r), ratio_to_memcpy=r.gbps / limit) for r in rows + limits],
-        }
         json.dump(report, sys.stdout)
         sys.stdout.write("\n")
     else:
-        size = config.total_bytes / (1 << 30)
-        print(f"rd2h bench: {config.layers} layers x {config.blocks} blocks x {config.block_bytes >> 10} KiB "
-              f"({size:.2f} GiB), one read_batch per layer, median of {config.repeat}; {_cpus()} CPUs")
-        print(f"  {'method':<24} {'GB/s':>7} {'x best memcpy':>14}  verified")
-        for r in rows + limits:
-            print(f"  {r.name:<24} {r.gbps:>7.2f} {r.gbps / limit:>14.2f}  {'yes' if r.verified else 'NO'}")
-    return 0 if all(r.verified for r in rows) else 1
-
-
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
+        m = report["machine"]
+        print(f"rd2h bench on {m['cpu']}, {m['nproc']} CPUs, Linux {m['kernel']}, THP {m['transparent_hugepage']}")
+        for r in results:
+            print()
+            print(format_case(r, repeat))
+        print(f"\nresults: {path}" + "".join(f", {p}" for p in plots))
+        if not plots and not args.no_plots:
+            print("no plots: matplotlib is missing (pip install 'rd2h[bench]')")
+    return 0
