@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rd2h.probe import CHECKS
+from rd2h.cli.probe import CHECKS
 
 RD2H = Path(sys.executable).with_name("rd2h")
 
