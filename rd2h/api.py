@@ -15,7 +15,8 @@ Prefill side (one per Prefill TP rank)::
         source.wait_finished(["req-1"], timeout=30)
 
 Tensors are torch tensors (cpu, cuda or npu, as the engine allows) or numpy arrays;
-dimension 0 indexes blocks and each tensor must be contiguous.
+dimension 0 indexes blocks and each block must be one dense page (a contiguous tensor, or a
+strided view whose blocks are contiguous: see ``rd2h.tensors.tensor_layout``).
 """
 
 from __future__ import annotations
