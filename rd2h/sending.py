@@ -5,31 +5,13 @@ is still unanswered, and how each request ends (pure: no threads, no I/O, no clo
 input (reply frames, silence) and carries out what it returns (frames to send, slots to
 release, connections to drop). Every call that can end a request takes ``now``.
 
-Requests (``RequestState``)::
-
-    ACTIVE --final chunk announced on the last layer--> FINAL --quiet--> DONE
-    ACTIVE/FINAL --a failure--> FAILING --quiet--> FAILED
-    ACTIVE/FINAL --abort--> ABORTING --quiet--> ABORTED
-
-"Quiet" means no readiness naming the request is unanswered by any endpoint: Decode may
-still be reading its blocks until then, and the caller frees them once it is reported.
-FAILING and ABORTING requests are announced no more. Each request reaches one of DONE,
-FAILED, ABORTED exactly once, as an :class:`~rd2h.outcome.Outcome` handed out once
-(``take``/``collect``); then no state of it is left and its id may be added again.
-In-flight readiness names request *instances*, never ids, so a late reply about an
-earlier request can never touch a later one with the same id.
-
-Endpoints (``EndpointState``)::
-
-    NEW --send (mf_meta first)--> INTRODUCED --META_REQUIRED--> NEW
-    NEW/INTRODUCED/REINTRODUCED --oldest readiness unanswered past reply_timeout--> SILENT
-    SILENT --a new request names it--> REVIVED --send (mf_meta first)--> REINTRODUCED
-    REINTRODUCED --every mf_meta acknowledged--> INTRODUCED
-
-A SILENT endpoint's readiness counts as answered, the requests naming it fail with
-:class:`~rd2h.errors.ReplyTimeout` and the connection is dropped. After a revival, replies
-that come before Decode acknowledges the new mf_meta answer abandoned readiness (the dialer
-keeps its identity across reconnects) and are dropped as stale.
+Its states and transition tables are drawn in :mod:`rd2h.send_states`: a request is
+ACTIVE, then FINAL, FAILING or ABORTING, and settles DONE, FAILED or ABORTED once no
+readiness naming it is unanswered; each is reported exactly once, as an
+:class:`~rd2h.outcome.Outcome` handed out once (``take``/``collect``), and then no state of
+it is left. In-flight readiness names request *instances*, never ids, so a late reply about
+an earlier request can never touch a later one with the same id. What a step announces is
+built in :mod:`rd2h.send_steps`.
 
 Remote input never raises: malformed frames, replies for layers not in flight or from
 unknown endpoints, READ_FAILED naming requests that are not there are counted in
@@ -41,10 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
 import numpy as np
-import numpy.typing as npt
 
 from rd2h import protocol
 from rd2h.chunking import Chunk, GroupChunks
@@ -59,139 +39,26 @@ from rd2h.errors import (
     UnknownRequestError,
 )
 from rd2h.outcome import Outcome, OutcomeBook, TerminalState
+from rd2h.send_states import (
+    ANNOUNCED,
+    DRAINING,
+    ENDPOINT_TRANSITIONS,
+    NEEDS_META,
+    REQUEST_TRANSITIONS,
+    STALE,
+    TERMINAL,
+    EndpointEvent,
+    EndpointState,
+    RequestEvent,
+    RequestState,
+)
+from rd2h.send_steps import Ids, RequestRecord, Step, block_ids, build_step
 from rd2h.statemachine import step as _step
 from rd2h.topology import Topology
 
 __all__ = ["RequestState", "EndpointState", "Step", "Effects", "SendTracker"]
 
-
-class RequestState(Enum):
-    ACTIVE = "active"  # announced step by step
-    FINAL = "final"  # its final chunk went out on the last layer; replies pending
-    FAILING = "failing"  # failed; waits until no readiness naming it is unanswered
-    ABORTING = "aborting"  # aborted by the caller; waits likewise
-    DONE = "done"
-    FAILED = "failed"
-    ABORTED = "aborted"
-
-
-class _RequestEvent(Enum):
-    FINAL_SENT = "final chunk announced on the last layer"
-    FAIL = "fail"
-    ABORT = "abort"
-    QUIET = "no readiness unanswered"
-
-
-_R, _RE = RequestState, _RequestEvent
-_REQUEST_TRANSITIONS = {
-    (_R.ACTIVE, _RE.FINAL_SENT): _R.FINAL,
-    (_R.ACTIVE, _RE.FAIL): _R.FAILING,
-    (_R.FINAL, _RE.FAIL): _R.FAILING,
-    (_R.FAILING, _RE.FAIL): _R.FAILING,  # the first error stays
-    (_R.ABORTING, _RE.FAIL): _R.ABORTING,
-    (_R.ACTIVE, _RE.ABORT): _R.ABORTING,
-    (_R.FINAL, _RE.ABORT): _R.ABORTING,
-    (_R.FAILING, _RE.ABORT): _R.FAILING,
-    (_R.ABORTING, _RE.ABORT): _R.ABORTING,
-    (_R.FINAL, _RE.QUIET): _R.DONE,
-    (_R.FAILING, _RE.QUIET): _R.FAILED,
-    (_R.ABORTING, _RE.QUIET): _R.ABORTED,
-}
-_ANNOUNCED = frozenset({_R.ACTIVE, _R.FINAL})  # still named in readiness
-_DRAINING = frozenset({_R.FINAL, _R.FAILING, _R.ABORTING})  # settle once quiet
-_TERMINAL = {_R.DONE: TerminalState.DONE, _R.FAILED: TerminalState.FAILED, _R.ABORTED: TerminalState.ABORTED}
-
-
-class EndpointState(Enum):
-    NEW = "new"  # no mf_meta sent on this connection
-    INTRODUCED = "introduced"
-    SILENT = "silent"  # abandoned after reply_timeout; skipped until revived
-    REVIVED = "revived"  # named again after silence; no mf_meta sent on the new connection yet
-    REINTRODUCED = "reintroduced"  # mf_meta sent again; replies before its ACK are stale
-
-
-class _EndpointEvent(Enum):
-    SEND = "send readiness"
-    ACKED = "every mf_meta acknowledged"
-    META_REQUIRED = "mf_meta required"
-    SEND_FAILED = "send failed"
-    TIMEOUT = "reply timeout"
-    REVIVE = "named by a new request"
-
-
-_E, _EE = EndpointState, _EndpointEvent
-_ENDPOINT_TRANSITIONS = {
-    (_E.NEW, _EE.SEND): _E.INTRODUCED,
-    (_E.INTRODUCED, _EE.SEND): _E.INTRODUCED,
-    (_E.REVIVED, _EE.SEND): _E.REINTRODUCED,
-    (_E.REINTRODUCED, _EE.SEND): _E.REINTRODUCED,
-    (_E.REINTRODUCED, _EE.ACKED): _E.INTRODUCED,
-    (_E.NEW, _EE.META_REQUIRED): _E.NEW,
-    (_E.INTRODUCED, _EE.META_REQUIRED): _E.NEW,
-    (_E.NEW, _EE.SEND_FAILED): _E.NEW,
-    (_E.INTRODUCED, _EE.SEND_FAILED): _E.NEW,
-    (_E.REVIVED, _EE.SEND_FAILED): _E.REVIVED,
-    (_E.REINTRODUCED, _EE.SEND_FAILED): _E.REVIVED,
-    (_E.NEW, _EE.TIMEOUT): _E.SILENT,
-    (_E.INTRODUCED, _EE.TIMEOUT): _E.SILENT,
-    (_E.REINTRODUCED, _EE.TIMEOUT): _E.SILENT,
-    (_E.SILENT, _EE.REVIVE): _E.REVIVED,
-    (_E.NEW, _EE.REVIVE): _E.NEW,
-    (_E.INTRODUCED, _EE.REVIVE): _E.INTRODUCED,
-    (_E.REVIVED, _EE.REVIVE): _E.REVIVED,
-    (_E.REINTRODUCED, _EE.REVIVE): _E.REINTRODUCED,
-}
-_NEEDS_META = frozenset({_E.NEW, _E.REVIVED})
-# A dialer keeps its identity across reconnects (zmq's ROUTER_HANDOVER), so a Decode that was
-# only slow still answers readiness abandoned with the old connection; it answers in order,
-# so everything before the ACK of the mf_meta sent on the new connection is such a reply.
-_STALE = frozenset({_E.REVIVED, _E.REINTRODUCED})
-
-_Ids = npt.NDArray[np.int64]
-
-
-@dataclass(eq=False, slots=True)
-class _Request:
-    ext_id: str
-    slot: int  # index into the tracker's per-request counters
-    addresses: tuple[str, ...]
-    member: int
-    ratio: int
-    main: GroupChunks
-    indexer: GroupChunks
-    main_ids: _Ids
-    indexer_ids: _Ids | None  # None: the indexer uses the main block ids
-    started: float
-    computed: int = 0
-    state: RequestState = RequestState.ACTIVE
-    error: RD2HError | None = None
-
-
-@dataclass(eq=False, slots=True)
-class _Announcement:
-    """What one endpoint is told, for every layer of one step."""
-
-    member: int
-    ratio: int
-    requests: list[_Request] = field(default_factory=list)
-    reads: list[protocol.ReadRequest] = field(default_factory=list)
-    done: list[str] = field(default_factory=list)
-    packed: bytes = b""
-    slots: _Ids = field(default_factory=lambda: np.zeros(0, np.int64))
-    main_blocks: _Ids = field(default_factory=lambda: np.zeros(0, np.int64))  # 0 where counted already
-    indexer_blocks: _Ids = field(default_factory=lambda: np.zeros(0, np.int64))
-
-
-@dataclass(eq=False, slots=True)
-class Step:
-    """One prefill step as ``schedule`` cut it; ``announce`` sends it layer by layer.
-
-    Opaque to callers. Requests that fail or are aborted meanwhile drop out of it."""
-
-    entries: list[tuple[_Request, protocol.ReadRequest, bool]]
-    epoch: int = -1
-    by_address: dict[str, _Announcement] = field(default_factory=dict)
-    finals: list[_Request] = field(default_factory=list)
+_RE, _EE = RequestEvent, EndpointEvent
 
 
 @dataclass(eq=False, slots=True)
@@ -200,8 +67,8 @@ class _Sent:
 
     layer_idx: int
     frame: bytes
-    slots: _Ids
-    requests: list[_Request]
+    slots: Ids
+    requests: list[RequestRecord]
     at: float
     resent: bool = False  # repeated once after META_REQUIRED
 
@@ -224,15 +91,6 @@ class Effects:
     sends: list[tuple[str, int, bytes]] = field(default_factory=list)
     released: list[tuple[int, str]] = field(default_factory=list)
     disconnects: list[str] = field(default_factory=list)
-
-
-def _block_ids(values: object, what: str) -> _Ids:
-    ids = np.asarray(values).reshape(-1)
-    if ids.size == 0:
-        return np.zeros(0, np.int64)
-    if ids.dtype.kind not in "iu" or (ids < 0).any():
-        raise ConfigError(f"{what} must be non-negative integers")
-    return ids.astype(np.int64, copy=False)
 
 
 class SendTracker:
@@ -270,7 +128,7 @@ class SendTracker:
         self._last = last_layer
         self._block_size, self._indexer_block_size = block_size, indexer_block_size
         self._reply_timeout = reply_timeout
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestRecord] = {}
         self._endpoints: dict[str, _Endpoint] = {}
         self._book = OutcomeBook()
         self._epoch = 0  # bumped whenever a request drops out of the announced ones
@@ -278,7 +136,7 @@ class SendTracker:
         self._unanswered = np.zeros(16, np.int64)
         self._nbytes = np.zeros(16, np.int64)
         self._draining = np.zeros(16, bool)
-        self._owner: dict[int, _Request] = {}
+        self._owner: dict[int, RequestRecord] = {}
         self._free = list(range(15, -1, -1))
         self.counters = {"stray": 0, "stale": 0, "malformed": 0, "unknown_failed_ids": 0, "acks": 0}
 
@@ -318,14 +176,14 @@ class SendTracker:
         indexer = GroupChunks(
             self._indexer_block_size, num_tokens, first_block * self._block_size // self._indexer_block_size
         )
-        main_ids = _block_ids(main_block_ids, "main_block_ids")
-        indexer_ids = None if indexer_block_ids is None else _block_ids(indexer_block_ids, "indexer_block_ids")
+        main_ids = block_ids(main_block_ids, "main_block_ids")
+        indexer_ids = None if indexer_block_ids is None else block_ids(indexer_block_ids, "indexer_block_ids")
         for address in addresses:
             endpoint = self._endpoints.setdefault(address, _Endpoint())
             if endpoint.state is EndpointState.SILENT:
                 endpoint.unacked = 0  # an mf_meta the silent Decode never acknowledged is not waited for
-            endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.REVIVE, address)
-        request = _Request(
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.REVIVE, address)
+        request = RequestRecord(
             ext_id, self._take_slot(), addresses, topology.member_of(self._rank), topology.ratio,
             main, indexer, main_ids, indexer_ids, now,
         )
@@ -343,8 +201,8 @@ class SendTracker:
             if ext_id in self._book:
                 return
             raise UnknownRequestError(f"request {ext_id!r} is not tracked")
-        main = _block_ids(main_block_ids, "main_block_ids")
-        indexer = _block_ids(indexer_block_ids, "indexer_block_ids")
+        main = block_ids(main_block_ids, "main_block_ids")
+        indexer = block_ids(indexer_block_ids, "indexer_block_ids")
         if request.indexer_ids is None and indexer.size:
             raise ConfigError(f"request {ext_id!r} was added without indexer ids: its indexer uses the main ids")
         if request.state is not RequestState.ACTIVE:
@@ -362,7 +220,7 @@ class SendTracker:
         be announced (ConfigError; that request is failed, the others go on).
         """
         problems: dict[str, RD2HError] = {}
-        entries: list[tuple[_Request, protocol.ReadRequest, bool]] = []
+        entries: list[tuple[RequestRecord, protocol.ReadRequest, bool]] = []
         placed: dict[str, tuple[int, int]] = {}  # address -> (member, ratio) of this step
         for ext_id, tokens in computed_tokens.items():
             request = self._requests.get(ext_id)
@@ -388,7 +246,7 @@ class SendTracker:
             for address in request.addresses:
                 placed[address] = (request.member, request.ratio)
         step = Step(entries)
-        self._build(step)
+        build_step(step, self._epoch)
         return step, problems
 
     def announce(self, step: Step, layer_idx: int, layer_name: str, now: float) -> tuple[tuple[str, ...], Effects]:
@@ -400,7 +258,7 @@ class SendTracker:
         if not 0 <= layer_idx < len(self._layer_bytes):
             raise ConfigError(f"layer {layer_idx} outside 0..{len(self._layer_bytes) - 1}")
         if step.epoch != self._epoch:
-            self._build(step)
+            build_step(step, self._epoch)
         targets = [(a, ann) for a, ann in step.by_address.items() if ann.requests]
         for address, _ in targets:
             if layer_idx in self._endpoints[address].in_flight:
@@ -411,10 +269,10 @@ class SendTracker:
         for address, ann in targets:
             endpoint = self._endpoints[address]
             # a SILENT endpoint is named by no announced request (they failed when it fell silent)
-            if endpoint.state in _NEEDS_META:
+            if endpoint.state in NEEDS_META:
                 effects.sends.append((address, layer_idx, self._meta))
                 endpoint.unacked += 1
-            endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
             frame = protocol.encode_readiness(
                 layer_idx, layer_name, ann.packed, ann.done if last else (), ann.member, ann.ratio
             )
@@ -432,7 +290,7 @@ class SendTracker:
         """The layer could not be announced (its event failed): fail the step's requests."""
         failure = LayerFailedError(f"layer {layer_name!r} could not be announced: {error}")
         for request, _, _ in step.entries:
-            if request.state in _ANNOUNCED:
+            if request.state in ANNOUNCED:
                 self._decide(request, _RE.FAIL, failure, now)
 
     def abort(self, ext_id: str, now: float) -> None:
@@ -482,9 +340,9 @@ class SendTracker:
             if endpoint is not None and endpoint.unacked:
                 endpoint.unacked -= 1
                 if endpoint.unacked == 0 and endpoint.state is EndpointState.REINTRODUCED:
-                    endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.ACKED, address)
+                    endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.ACKED, address)
             return effects
-        if endpoint is not None and endpoint.state in _STALE:
+        if endpoint is not None and endpoint.state in STALE:
             self.counters["stale"] += 1
             return effects
         sent = None if endpoint is None else endpoint.in_flight.get(reply.layer_idx)
@@ -492,10 +350,10 @@ class SendTracker:
             self.counters["stray"] += 1
             return effects
         if isinstance(reply, protocol.ReadFailed) and reply.needs_meta:
-            endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.META_REQUIRED, address)
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.META_REQUIRED, address)
             if not sent.resent:  # a restarted Decode read nothing: introduce ourselves, repeat once
                 sent.resent = True
-                endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
+                endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
                 endpoint.unacked += 1
                 effects.sends += [(address, sent.layer_idx, self._meta), (address, sent.layer_idx, sent.frame)]
                 return effects
@@ -513,7 +371,7 @@ class SendTracker:
         sent = None if endpoint is None else endpoint.in_flight.pop(layer_idx, None)
         if endpoint is None or sent is None:
             return effects
-        endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND_FAILED, address)
+        endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND_FAILED, address)
         failure = error if isinstance(error, RD2HError) else LayerFailedError(str(error))
         for request in sent.requests:
             self._decide(request, _RE.FAIL, failure, now)
@@ -531,11 +389,11 @@ class SendTracker:
             if now - oldest.at <= self._reply_timeout:
                 continue
             error = ReplyTimeout(f"Decode {address} did not reply within {self._reply_timeout:g} s")
-            endpoint.state = _step(_ENDPOINT_TRANSITIONS, endpoint.state, _EE.TIMEOUT, address)
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.TIMEOUT, address)
             effects.disconnects.append(address)
             records, endpoint.in_flight = list(endpoint.in_flight.values()), {}
             for request in list(self._requests.values()):
-                if address in request.addresses and request.state in _ANNOUNCED:
+                if address in request.addresses and request.state in ANNOUNCED:
                     self._decide(request, _RE.FAIL, error, now)
             for sent in records:
                 self._answered(sent, now)
@@ -571,7 +429,7 @@ class SendTracker:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _cut(self, request: _Request, tokens: object, placed: dict[str, tuple[int, int]]) -> tuple[Chunk, Chunk]:
+    def _cut(self, request: RequestRecord, tokens: object, placed: dict[str, tuple[int, int]]) -> tuple[Chunk, Chunk]:
         """The request's next chunk per group; ConfigError for whatever makes it unsendable."""
         if isinstance(tokens, bool) or not isinstance(tokens, int):
             raise ConfigError(f"request {request.ext_id!r}: computed tokens must be an int, got {tokens!r}")
@@ -592,32 +450,6 @@ class SendTracker:
                 raise ConfigError(f"request {request.ext_id!r}: {address} is another Decode TP size in this step")
         return main, indexer
 
-    def _build(self, step: Step) -> None:
-        """(Re)build the step's announcements from its requests still announced."""
-        step.epoch = self._epoch
-        step.by_address, step.finals = {}, []
-        counted: set[int] = set()  # bytes are counted at one endpoint per request
-        for request, read, final in step.entries:
-            if request.state not in _ANNOUNCED:
-                continue
-            if final:
-                step.finals.append(request)
-            for address in request.addresses:
-                ann = step.by_address.setdefault(address, _Announcement(request.member, request.ratio))
-                ann.requests.append(request)
-                ann.reads.append(read)
-                if final:
-                    ann.done.append(request.ext_id)
-        for ann in step.by_address.values():
-            ann.packed = protocol.pack_read_reqs(ann.reads)
-            ann.slots = np.fromiter((r.slot for r in ann.requests), np.int64, len(ann.requests))
-            fresh = np.fromiter((r.slot not in counted for r in ann.requests), bool, len(ann.requests))
-            counted.update(r.slot for r in ann.requests)
-            ann.main_blocks = np.fromiter((len(r.main_block_ids) for r in ann.reads), np.int64, len(ann.reads)) * fresh
-            ann.indexer_blocks = (
-                np.fromiter((len(r.indexer_block_ids) for r in ann.reads), np.int64, len(ann.reads)) * fresh
-            )
-
     def _fail_named(self, sent: _Sent, reply: protocol.ReadFailed, error: RD2HError, now: float) -> None:
         if not reply.failed_ext_ids:
             for request in sent.requests:
@@ -637,24 +469,24 @@ class SendTracker:
         for slot in quiet.tolist():  # usually none: only requests that await their last replies
             self._settle(self._owner[slot], now)
 
-    def _decide(self, request: _Request, event: _RequestEvent, error: RD2HError | None, now: float) -> None:
+    def _decide(self, request: RequestRecord, event: RequestEvent, error: RD2HError | None, now: float) -> None:
         self._move(request, event)
         if error is not None and request.error is None:
             request.error = error
-        if request.state in _DRAINING:
+        if request.state in DRAINING:
             self._draining[request.slot] = True
             if self._unanswered[request.slot] == 0:
                 self._settle(request, now)
 
-    def _move(self, request: _Request, event: _RequestEvent) -> None:
+    def _move(self, request: RequestRecord, event: RequestEvent) -> None:
         before = request.state
-        request.state = _step(_REQUEST_TRANSITIONS, before, event, f"request {request.ext_id!r}")
-        if before in _ANNOUNCED and request.state not in _ANNOUNCED:
+        request.state = _step(REQUEST_TRANSITIONS, before, event, f"request {request.ext_id!r}")
+        if before in ANNOUNCED and request.state not in ANNOUNCED:
             self._epoch += 1  # steps holding it rebuild their announcements without it
 
-    def _settle(self, request: _Request, now: float) -> None:
+    def _settle(self, request: RequestRecord, now: float) -> None:
         self._move(request, _RE.QUIET)
-        terminal = _TERMINAL[request.state]
+        terminal = TERMINAL[request.state]
         self._book.settle(
             Outcome(
                 request.ext_id,

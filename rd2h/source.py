@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,12 +37,12 @@ from rd2h import protocol
 from rd2h.clock import Clock, monotonic
 from rd2h.endpoint import DecodeEndpoint
 from rd2h.errors import ConfigError, RD2HError, WaitTimeout
+from rd2h.gate import SlotGate
 from rd2h.interfaces import Dialer, TransferEngine
 from rd2h.layout import LayerLayout
 from rd2h.outcome import Outcome
 from rd2h.regions import merge_by_device
 from rd2h.sending import Effects, SendTracker, Step
-from rd2h.gate import SlotGate
 
 __all__ = ["DecodeEndpoint", "Source"]
 
@@ -307,15 +307,16 @@ class Source:
                 else:
                     item = self._dialer.recv(self._poll)
                     if item is not None:
-                        self._feed(lambda now: self._tracker.on_reply(item[0], item[1], now))
+                        self._feed(self._tracker.on_reply, *item)
                 self._expire()
             except Exception:  # the loop must outlive any one failure, or every wait times out
                 log.exception("Prefill rank %d: sender error", self.rank)
 
-    def _feed(self, call: Any) -> Effects:
-        """Run one tracker call under the lock, wake waiters, then carry out its effects."""
+    def _feed(self, call: Callable[..., Effects], *args: Any) -> Effects:
+        """Run one tracker call (``now`` last) under the lock, wake waiters, then carry out
+        its effects outside the lock."""
         with self._lock:
-            effects: Effects = call(self._clock())
+            effects = call(*args, self._clock())
             self._lock.notify_all()
         self._carry_out(effects)
         return effects
@@ -346,7 +347,7 @@ class Source:
             except RD2HError as exc:  # this endpoint missed the layer; the others did not
                 failed.add(address)
                 log.error("Prefill rank %d: could not send to %s: %s", self.rank, address, exc)
-                self._feed(lambda now: self._tracker.send_failed(address, layer_idx, exc, now))  # noqa: B023
+                self._feed(self._tracker.send_failed, address, layer_idx, exc)
         for address in effects.disconnects:
             self._dialer.disconnect(address)
         for layer_idx, address in effects.released:
@@ -374,5 +375,5 @@ class Source:
                     return
             item = self._dialer.recv(self._poll)
             if item is not None:
-                self._feed(lambda now: self._tracker.on_reply(item[0], item[1], now))  # noqa: B023
+                self._feed(self._tracker.on_reply, *item)
             self._expire()

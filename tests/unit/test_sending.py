@@ -79,7 +79,7 @@ def test_a_request_ends_done_once_every_layer_is_answered() -> None:
     step, problems = t.schedule({"r": 10}, 1.0)
     assert problems == {}
     sends = send_all_layers(t, step, 2.0)
-    assert [f for _, _, f in sends][0] == META  # introduced once, before the first readiness
+    assert sends[0][2] == META  # introduced once, before the first readiness
     frames = [readiness(f) for _, _, f in sends[1:]]
     assert [m.done_ext_ids for m in frames] == [(), (), ("r",)]  # done only on the last layer
     assert frames[0].read_reqs[0].main_block_ids == (7, 8, 9)
