@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from rd2h import plugins
+from rd2h.clock import Clock, monotonic
 from rd2h.errors import ConfigError
 from rd2h.layout import LayerLayout
 from rd2h.sink import MainSplit, Sink
@@ -136,6 +137,8 @@ class KVSource(Source):
         channel_options: Mapping[str, Any] | None = None,
         last_layer: str | None = None,
         reply_timeout: float = 30.0,
+        indexer_block_size: int | None = None,
+        clock: Clock = monotonic,
     ) -> None:
         transfer = plugins.load_engine(engine, "prefill", **dict(engine_options or {}))
         with _closed_on_error(transfer):
@@ -144,5 +147,6 @@ class KVSource(Source):
                 super().__init__(
                     rank=rank, tp_size=tp_size, engine=transfer, dialer=dialer, layers=_layouts(layers),
                     block_size=block_size, last_layer=last_layer, reply_timeout=reply_timeout,
+                    indexer_block_size=indexer_block_size, clock=clock,
                 )
         self.start()
