@@ -37,6 +37,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--engine", default="local", help="transfer engine (see `rd2h backends`)")
     parser.add_argument("--engine-option", type=engine_option, action="append", default=[],
                         metavar="KEY=VALUE", help="an engine option (repeatable)")
+    parser.add_argument("--prefill-option", type=engine_option, action="append", default=[],
+                        metavar="KEY=VALUE", help="an engine option for Prefill ranks only, over --engine-option")
+    parser.add_argument("--decode-option", type=engine_option, action="append", default=[],
+                        metavar="KEY=VALUE", help="an engine option for Decode ranks only, over --engine-option")
+    parser.add_argument("--host", default="127.0.0.1", help="address Decode binds and Prefill dials")
+    parser.add_argument("--prefill-netns", default="", metavar="NAME",
+                        help="run Prefill ranks in this network namespace (`ip netns`; needs root)")
+    parser.add_argument("--decode-netns", default="", metavar="NAME",
+                        help="run Decode ranks in this network namespace (`ip netns`; needs root)")
     parser.add_argument("--kv-port", type=int, default=5600, help="Decode base port (default 5600)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck run fails")
@@ -53,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, layers=args.layers, requests=args.requests,
         max_tokens=args.max_tokens, block_size=args.block_size, chunk_tokens=args.chunk_tokens,
         slots=args.slots, engine=args.engine, engine_options=dict(args.engine_option),
-        kv_port=args.kv_port, seed=args.seed, timeout=args.timeout,
+        kv_port=args.kv_port, seed=args.seed, timeout=args.timeout, host=args.host,
+        prefill_netns=args.prefill_netns, decode_netns=args.decode_netns,
+        prefill_engine_options=dict(args.prefill_option), decode_engine_options=dict(args.decode_option),
     )
     result = run_demo(config, progress=None if args.json else Progress())
     if args.json:

@@ -8,6 +8,7 @@ interrupted demo leaves no orphans.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import time
 import traceback
@@ -25,6 +26,9 @@ from rd2h.topology import base_port
 __all__ = ["prefill_rank", "decode_rank", "main_pool_views", "main_pool_bytes", "verify"]
 
 _PR_SET_PDEATHSIG = 1
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 1 << 19, 2
 
 
 def _die_with_parent() -> None:
@@ -34,9 +38,33 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(role: str, rank: int, events: Any, body: Any) -> None:
+def enter_netns(name: str) -> None:
+    """Move this process into the network namespace ``ip netns add NAME`` made (needs root),
+    as ``ip netns exec`` does: the network, and a private /sys that lists its interfaces
+    (libraries such as UCX pick network devices from /sys/class/net).
+
+    Shared memory, pipes and every other mount stay as they were.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ret: int, what: str) -> None:
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"network namespace {name!r}: {what}: {os.strerror(err)}")
+
+    with open(f"/run/netns/{name}") as ns:
+        check(libc.setns(ns.fileno(), _CLONE_NEWNET), "setns")
+    check(libc.unshare(_CLONE_NEWNS), "unshare the mounts")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "make / a slave mount")
+    check(libc.umount2(b"/sys", _MNT_DETACH), "unmount /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount its /sys")
+
+
+def _child(role: str, rank: int, events: Any, body: Any, netns: str = "") -> None:
     _die_with_parent()
     try:
+        if netns:
+            enter_netns(netns)  # before the engine or channel opens a socket
         events.put(("result", role, rank, body()))
     except BaseException:
         events.put(("error", role, rank, traceback.format_exc()))
@@ -64,7 +92,7 @@ def main_pool_bytes(config: DemoConfig, pool_blocks: int) -> int:
 
 
 def prefill_rank(config: DemoConfig, rank: int, events: Any, go: Any) -> None:
-    _child("prefill", rank, events, lambda: _prefill(config, rank, events, go))
+    _child("prefill", rank, events, lambda: _prefill(config, rank, events, go), config.prefill_netns)
 
 
 def _prefill(config: DemoConfig, rank: int, events: Any, go: Any) -> dict[str, Any]:
@@ -82,7 +110,7 @@ def _prefill(config: DemoConfig, rank: int, events: Any, go: Any) -> dict[str, A
     planner = ChunkPlanner(config.block_size)
     with KVSource(
         layers, block_size=config.block_size, rank=rank, tp_size=config.prefill_tp,
-        engine=config.engine, engine_options=dict(config.engine_options), reply_timeout=config.timeout,
+        engine=config.engine, engine_options=config.options_for("prefill"), reply_timeout=config.timeout,
     ) as source:
         for req in work.requests:
             source.add_request(req.ext_id, endpoint, main_block_ids=req.src_blocks, num_tokens=req.num_tokens)
@@ -126,7 +154,7 @@ def _prefill(config: DemoConfig, rank: int, events: Any, go: Any) -> dict[str, A
 
 
 def decode_rank(config: DemoConfig, rank: int, shm_name: str, events: Any, go: Any) -> None:
-    _child("decode", rank, events, lambda: _decode(config, rank, shm_name, events, go))
+    _child("decode", rank, events, lambda: _decode(config, rank, shm_name, events, go), config.decode_netns)
 
 
 def _decode(config: DemoConfig, rank: int, shm_name: str, events: Any, go: Any) -> dict[str, Any]:
@@ -155,7 +183,7 @@ def _decode_into(config: DemoConfig, rank: int, pool: memoryview, events: Any, g
     }
     with KVSink(
         layers, rank=rank, tp_size=config.decode_tp, host=config.host, kv_port=config.kv_port,
-        engine=config.engine, engine_options=dict(config.engine_options),
+        engine=config.engine, engine_options=config.options_for("decode"),
     ) as sink:
         for req in work.requests:
             sink.expect(req.ext_id, main_blocks=req.dst_blocks)

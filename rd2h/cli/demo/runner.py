@@ -63,6 +63,8 @@ def preflight(config: DemoConfig) -> None:
     available = cls.availability()
     if not available.ok:
         raise BackendUnavailableError(f"engine {config.engine!r} cannot run here: {available.reason}")
+    if config.decode_netns:  # the address lives in that namespace: the Decode rank reports a taken port
+        return
     for rank, port in enumerate(decode_ports(config.kv_port, 0, config.decode_tp)):
         with socket.socket() as probe:
             # as libzmq does: connections of a finished run in TIME_WAIT must not count

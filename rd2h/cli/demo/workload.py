@@ -42,10 +42,17 @@ class DemoConfig:
     slots: int = 2  # physical Prefill buffers reused across logical layers
     engine: str = "local"
     engine_options: dict[str, object] = field(default_factory=dict)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where Decode binds and Prefill dials
     kv_port: int = 5600
     seed: int = 0
     timeout: float = 60.0
+    # Rank placement, to run the two sides as two hosts (e.g. network namespaces joined by a
+    # veth pair): the named network namespace (`ip netns`) each side's ranks enter, and engine
+    # options for one side only, over `engine_options` (an engine's own address, say).
+    prefill_netns: str = ""
+    decode_netns: str = ""
+    prefill_engine_options: dict[str, object] = field(default_factory=dict)
+    decode_engine_options: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         Topology(self.prefill_tp, self.decode_tp)  # raises TopologyError
@@ -55,6 +62,14 @@ class DemoConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.slots > self.layers:
             raise ConfigError(f"slots ({self.slots}) cannot exceed layers ({self.layers})")
+
+    def options_for(self, role: str) -> dict[str, object]:
+        """The engine options of ``role``'s ranks."""
+        side = self.prefill_engine_options if role == "prefill" else self.decode_engine_options
+        return {**self.engine_options, **side}
+
+    def netns_for(self, role: str) -> str:
+        return self.prefill_netns if role == "prefill" else self.decode_netns
 
     def layer_name(self, layer: int) -> str:
         return f"model.layers.{layer}.attn"
