@@ -215,9 +215,10 @@ class SendTracker:
         """Cut a prefill step: after it each request has this many prompt tokens cached.
 
         Never fails the step. Returns it with the per-request problems: an id not tracked
-        (UnknownRequestError; nothing else happens), a request no longer announced
-        (StateError), or one whose tokens are bad or whose block ids do not reach what is to
-        be announced (ConfigError; that request is failed, the others go on).
+        (UnknownRequestError; nothing else happens), a request no longer announced or whose
+        final chunk was scheduled already (StateError; nothing else happens), or one whose
+        tokens are bad or whose block ids do not reach what is to be announced (ConfigError;
+        that request is failed, the others go on).
         """
         problems: dict[str, RD2HError] = {}
         entries: list[tuple[RequestRecord, protocol.ReadRequest, bool]] = []
@@ -229,6 +230,9 @@ class SendTracker:
                 continue
             if request.state is not RequestState.ACTIVE:
                 problems[ext_id] = StateError(f"request {ext_id!r} is {request.state.name}: not announced any more")
+                continue
+            if request.main.final_sent:  # a repeated final step announces nothing; not the request's fault
+                problems[ext_id] = StateError(f"request {ext_id!r}: its final chunk was scheduled already")
                 continue
             try:
                 main, indexer = self._cut(request, tokens, placed)

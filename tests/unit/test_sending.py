@@ -338,6 +338,9 @@ def test_schedule_problems_fail_only_their_request() -> None:
     t.schedule({"r": 6}, 0.0)
     _, problems = t.schedule({"r": 3, "ok": 4}, 0.0)
     assert "went back" in str(problems["r"]) and "ok" not in problems
+    _, problems = t.schedule({"ok": 4}, 0.0)
+    assert isinstance(problems["ok"], StateError) and "scheduled already" in str(problems["ok"])
+    assert t.request_state("ok") is RequestState.ACTIVE  # a repeated final step harms nobody
     _, problems = t.schedule({"r": 8, "x": 1}, 0.0)
     assert isinstance(problems["r"], StateError)  # failed: announced no more
     with pytest.raises(UnknownRequestError):
