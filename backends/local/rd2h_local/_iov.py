@@ -57,26 +57,35 @@ def build(
     return IovPair(iov[0], iov[1], int(lengths.sum()) if nbytes is None else nbytes)
 
 
-def split(pair: IovPair, parts: int, align: int = 4096) -> list[IovPair]:
-    """Cut a batch into at most ``parts`` shares of nearly equal bytes.
+# What one iovec costs beside its bytes, in bytes: ~0.38 us at ~11 GB/s, measured by timing
+# the two shares of an SFA layer (16 KiB blocks beside 2 KiB and 64 B ones) on 2 cores. A
+# split by bytes alone gave the share of small iovecs twice the time of the other.
+IOV_COST_BYTES = 4096
 
-    A cut goes on the descriptor boundary nearest the ideal point when that is within
-    1/8 of a share (a share is then a view, nothing copied: the usual case of many
-    equal blocks); otherwise inside a descriptor, on an ``align`` multiple of the byte
-    stream (that share gets its own adjusted arrays). Shares never overlap.
+
+def split(pair: IovPair, parts: int, align: int = 4096, per_iov: int = IOV_COST_BYTES) -> list[IovPair]:
+    """Cut a batch into at most ``parts`` shares of nearly equal cost.
+
+    A share's cost is its bytes plus ``per_iov`` per descriptor, so shares of many small
+    descriptors get fewer bytes. A cut goes on the descriptor boundary nearest the ideal
+    point when that is within 1/8 of a share (a share is then a view, nothing copied: the
+    usual case of many blocks); otherwise inside a descriptor, on an ``align`` multiple of
+    the byte stream (that share gets its own adjusted arrays). Shares never overlap.
     """
     lengths = pair.local[:, 1]
     ends = np.cumsum(lengths)
     total = pair.nbytes
-    ideal = [total * k // parts for k in range(1, parts)]
-    nearest = ends.searchsorted(ideal).tolist()  # first boundary at or after each ideal cut
+    costs = ends + per_iov * np.arange(1, len(lengths) + 1, dtype=np.int64)  # cost up to each end
+    whole = int(costs[-1])
+    ideal = [whole * k // parts for k in range(1, parts)]
+    nearest = costs.searchsorted(ideal).tolist()  # first boundary at or after each ideal cut
     cuts = [0]
-    for t, j in zip(ideal, nearest):
-        after = int(ends[j])
-        before = int(ends[j - 1]) if j else 0
-        cut = after if after - t <= t - before else before
-        if abs(cut - t) * parts * 8 > total:
-            cut = t // align * align
+    for k, (t, j) in enumerate(zip(ideal, nearest), 1):
+        after = int(costs[j])
+        before = int(costs[j - 1]) if j else 0
+        cut = int(ends[j]) if after - t <= t - before else (int(ends[j - 1]) if j else 0)
+        if min(after - t, t - before) * parts * 8 > whole:  # a big descriptor: cut it by bytes
+            cut = total * k // parts // align * align
         if cuts[-1] < cut < total:
             cuts.append(cut)
     cuts.append(total)

@@ -435,6 +435,19 @@ def test_split_partitions_the_byte_stream(lengths, parts, align):
     assert pos == int(n.sum())
 
 
+def test_split_balances_cost_not_bytes():
+    """An SFA layer: 16 KiB main blocks, then 2 KiB and 64 B ones. Each iovec costs about
+    IOV_COST_BYTES beside its bytes, so the share of small iovecs gets fewer bytes."""
+    n = np.array([16384] * 400 + [2048] * 800 + [64] * 400, dtype=I64)
+    starts = np.concatenate([[0], np.cumsum(n)[:-1]])
+    first, second = _iov.split(_iov.build(starts, starts, n), 2)
+    cost = [s.nbytes + _iov.IOV_COST_BYTES * len(s.local) for s in (first, second)]
+    assert first.nbytes > second.nbytes + (1 << 20)
+    assert abs(cost[0] - cost[1]) * 16 < sum(cost)
+    by_bytes = _iov.split(_iov.build(starts, starts, n), 2, per_iov=0)
+    assert abs(by_bytes[0].nbytes - by_bytes[1].nbytes) <= 16384
+
+
 def test_big_batches_use_the_pool_and_close_joins_it(recorder):
     buf = Buffers(8 << 20, seed=9)
     before = set(threading.enumerate())  # engines of other tests may still have pools alive
