@@ -75,3 +75,12 @@ def test_layouts_keep_deepseek_proportions() -> None:
     with pytest.raises(ValueError):
         make_layout("sfa", 1, 1)
     assert np.all(Descriptors(dense).lengths == 16384)
+
+
+def test_more_descriptors_than_iov_max_are_read_and_checked() -> None:
+    from rd2h.cli.benchmark import Case, EngineSpec, Layout, measure_case
+
+    layout = Layout("dense", 2, 2500, (64,))  # 2500 iovecs a layer: the bare loop must chunk them
+    result = measure_case(Case(layout, "thp"), [EngineSpec("local", threads=(1, 2))], threads=(1, 2), repeat=1)
+    assert result.skipped == {}
+    assert set(result.samples) == {"memcpy 1t", "memcpy 2t", "local 1t", "local 2t", "bare pvr 1t", "bare pvr 2t"}

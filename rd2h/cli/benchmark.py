@@ -85,11 +85,13 @@ def make_layout(kind: str, block_kib: int, layer_mib: float, layers: int = SFA_L
 @dataclass(frozen=True)
 class Case:
     layout: Layout
-    memory: str  # a bench_source.MEMORY_KINDS entry
+    memory: str  # a bench_source.MEMORY_KINDS entry: sources (and destinations unless dest_memory)
+    dest_memory: str | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.layout.name} {self.layout.block_bytes[0] >> 10} KiB {self.memory}"
+        into = f" into {self.dest_memory}" if self.dest_memory and self.dest_memory != self.memory else ""
+        return f"{self.layout.name} {self.layout.block_bytes[0] >> 10} KiB {self.memory}{into}"
 
 
 class Descriptors:
@@ -187,13 +189,17 @@ def bare_pvr_method(desc: Descriptors, pid: int, src_addr: int, dest: np.ndarray
     for loc, rem in zip(desc.local, desc.remote):
         parts = []
         for part in _split(len(loc), threads):
-            lv = np.stack([loc[part] + dest.ctypes.data, desc.lengths[part]], axis=1).astype(np.uint64)
-            rv = np.stack([rem[part] + src_addr, desc.lengths[part]], axis=1).astype(np.uint64)
-            want, n = int(desc.lengths[part].sum()), len(lv)
+            calls = []  # IOV_MAX iovecs a call, as any caller must
+            for lo in range(part.start, part.stop, _sys.IOV_MAX):
+                chunk = slice(lo, min(lo + _sys.IOV_MAX, part.stop))
+                lv = np.stack([loc[chunk] + dest.ctypes.data, desc.lengths[chunk]], axis=1).astype(np.uint64)
+                rv = np.stack([rem[chunk] + src_addr, desc.lengths[chunk]], axis=1).astype(np.uint64)
+                calls.append((lv, rv, len(lv), int(desc.lengths[chunk].sum())))
 
-            def one(lv: np.ndarray = lv, rv: np.ndarray = rv, n: int = n, want: int = want) -> None:
-                if readv(pid, lv.ctypes.data, n, rv.ctypes.data, n, 0) != want:
-                    raise OSError(ctypes.get_errno(), "process_vm_readv read short")
+            def one(calls: list[tuple[np.ndarray, np.ndarray, int, int]] = calls) -> None:
+                for lv, rv, n, want in calls:
+                    if readv(pid, lv.ctypes.data, n, rv.ctypes.data, n, 0) != want:
+                        raise OSError(ctypes.get_errno(), "process_vm_readv read short")
 
             parts.append(one)
         per_layer.append(parts)
@@ -292,7 +298,7 @@ def measure_case(
     methods: list[Method] = []
     skipped: dict[str, str] = {}
     with ExitStack() as stack:
-        dest = pool(layout.total_bytes, case.memory)
+        dest = pool(layout.total_bytes, case.dest_memory or case.memory)
         src = pool(layout.total_bytes, case.memory)
         fill_pattern(src)
         for t in threads:
@@ -330,7 +336,7 @@ def measure_case(
                 samples[m.name].append(layout.total_bytes / (time.perf_counter() - started) / 1e9)
                 if progress is not None:
                     progress(m.name)
-    info = {"label": case.label, "memory": case.memory, **asdict(layout),
+    info = {"label": case.label, "memory": case.memory, "dest_memory": case.dest_memory or case.memory, **asdict(layout),
             "layer_bytes": layout.layer_bytes, "total_bytes": layout.total_bytes,
             "descriptors_per_layer": layout.descriptors}
     return CaseResult(info, samples, {m.name: m.kind for m in methods}, skipped)

@@ -15,7 +15,7 @@ from typing import Any
 from rd2h.cli.commands.demo import engine_option
 
 _SHORT = {"layer_mib": 2.0, "repeat": 3}
-_FULL = {"layer_mib": 16.0, "repeat": 7}
+_FULL = {"layer_mib": 8.0, "repeat": 5}
 
 
 def _csv(kind: type) -> Any:
