@@ -68,9 +68,6 @@ class DemoConfig:
         side = self.prefill_engine_options if role == "prefill" else self.decode_engine_options
         return {**self.engine_options, **side}
 
-    def netns_for(self, role: str) -> str:
-        return self.prefill_netns if role == "prefill" else self.decode_netns
-
     def layer_name(self, layer: int) -> str:
         return f"model.layers.{layer}.attn"
 
