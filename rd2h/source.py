@@ -325,6 +325,8 @@ class Source:
         try:
             if task.event is not None:
                 task.event.synchronize()
+            with self._lock:  # raises before it changes anything
+                endpoints, effects = self._tracker.announce(task.step, task.layer_idx, task.layer_name, self._clock())
         except Exception as exc:  # nothing was announced: fail the step's requests, free the slots
             log.error("Prefill rank %d: layer %r could not be announced: %s", self.rank, task.layer_name, exc)
             with self._lock:
@@ -332,8 +334,6 @@ class Source:
                 self._lock.notify_all()
             self._released(self._gate.sent(task.layer_idx, ()), task.layer_idx)
             return
-        with self._lock:
-            endpoints, effects = self._tracker.announce(task.step, task.layer_idx, task.layer_name, self._clock())
         self._released(self._gate.sent(task.layer_idx, endpoints), task.layer_idx)
         self._carry_out(effects)
 
