@@ -567,3 +567,17 @@ class SendTrackerMachine(RuleBasedStateMachine):
 
 SendTrackerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestSendTrackerMachine = SendTrackerMachine.TestCase
+
+
+def test_one_address_with_two_contributor_groups_in_a_step_fails_the_second_request() -> None:
+    """Two endpoints that reach one Decode rank with different TP sizes would put two member
+    and ratio values in one readiness: the second request of the step fails, the first goes."""
+    t = tracker(rank=1, tp_size=2)
+    t.add_request("one", DecodeEndpoint("127.0.0.1", 5600, 1), main_block_ids=[1], num_tokens=4, now=0.0)
+    t.add_request("two", DecodeEndpoint("127.0.0.1", 5599, 2), main_block_ids=[2], num_tokens=4, now=0.0)
+    step, problems = t.schedule({"one": 4, "two": 4}, 0.0)
+    assert list(problems) == ["two"] and "another Decode TP size" in str(problems["two"])
+    (_, _, meta), (_, _, frame) = t.announce(step, 0, "l0", 0.0)[1].sends
+    ready = readiness(frame)
+    assert meta == META and (ready.group_member_idx, ready.tp_ratio) == (1, 2)
+    assert [r.ext_req_id for r in ready.read_reqs] == ["one"]
