@@ -345,6 +345,8 @@ def test_schedule_problems_fail_only_their_request() -> None:
     assert isinstance(problems["r"], StateError)  # failed: announced no more
     with pytest.raises(UnknownRequestError):
         t.extend("x", main_block_ids=[1])
+    with pytest.raises(ConfigError, match="indexer uses the main ids"):
+        t.extend("ok", indexer_block_ids=[5])  # added without indexer ids
     with pytest.raises(ConfigError):
         t.add_request("neg", D0, main_block_ids=[-1], num_tokens=4, now=0.0)
 
