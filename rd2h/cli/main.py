@@ -25,7 +25,7 @@ from rd2h.errors import RD2HError
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: module names under rd2h.cli.commands, in the order ``rd2h --help`` lists them
-COMMANDS: tuple[str, ...] = ("demo", "bench", "probe", "backends")
+COMMANDS: tuple[str, ...] = ("demo", "bench", "probe", "backends", "proxy")
 
 EXIT_ERROR = 2
 

@@ -1,0 +1,288 @@
+"""The proxy's ASGI app (FastAPI + httpx, async throughout).
+
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming passed through),
+``POST /v1/rd2h/rendezvous`` (the metaserver: 404 for an id it does not wait for),
+``GET /v1/rd2h/requests`` (the latest requests with their rendezvous, for operators and
+tests), ``GET /health``.
+
+Failures: a transport error before a request reached an engine (connect errors) is
+retried with exponential backoff, on the next instance of that kind. Anything after that
+(the engine died while holding the request, or answered an HTTP error) fails the client's
+request at once with 502, and the Decode request is cancelled (closing its connection
+makes vLLM abort it, and the connector releases its blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+__all__ = ["ProxyConfig", "create_app", "children_of"]
+
+log = logging.getLogger("rd2h.proxy")
+
+RENDEZVOUS_PATH = "/v1/rd2h/rendezvous"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill: Sequence[str]
+    decode: Sequence[str]
+    metaserver_url: str = ""  # what Decode posts to; default: this proxy's own address
+    rendezvous_timeout: float = 60.0  # Decode must post within this
+    request_timeout: float = 600.0  # whole request, per engine call
+    retries: int = 3
+    backoff: float = 0.2
+
+
+class EngineError(Exception):
+    """An engine failed a request (transport error after it was sent, or HTTP error)."""
+
+
+def children_of(body: dict[str, Any], path: str) -> int:
+    """How many engine requests vLLM makes of this body: one per prompt of a prompt list."""
+    if path.endswith("chat/completions"):
+        return 1
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
+@dataclass
+class _Pending:
+    rid: str
+    children: int
+    futures: list[asyncio.Future[dict[str, Any]]]
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class _Proxy:
+    def __init__(self, config: ProxyConfig) -> None:
+        if not config.prefill or not config.decode:
+            raise ValueError("the proxy needs at least one Prefill and one Decode URL")
+        self.config = config
+        self._prefill = itertools.cycle([u.rstrip("/") for u in config.prefill])
+        self._decode = itertools.cycle([u.rstrip("/") for u in config.decode])
+        self.pending: dict[str, _Pending] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=256)
+        self.client: httpx.AsyncClient | None = None
+
+    # -- engines -------------------------------------------------------------------------
+
+    async def _send(self, urls: itertools.cycle, path: str, body: dict[str, Any], stream: bool) -> httpx.Response:
+        """POST to the next instance; connect errors move on to the next, with backoff."""
+        assert self.client is not None
+        delay = self.config.backoff
+        for attempt in range(self.config.retries + 1):
+            url = next(urls) + path
+            request = self.client.build_request("POST", url, json=body, timeout=self.config.request_timeout)
+            try:
+                return await self.client.send(request, stream=stream)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                log.warning("%s: %s (attempt %d)", url, exc, attempt + 1)
+                if attempt == self.config.retries:
+                    raise EngineError(f"{url}: {exc}") from exc
+                await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
+                delay *= 2
+            except httpx.TransportError as exc:  # it had the request: do not send it twice
+                raise EngineError(f"{url}: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    async def prefill(self, pending: _Pending, path: str, body: dict[str, Any]) -> None:
+        """Wait for every child's rendezvous, then send the request to Prefill once."""
+        started = time.monotonic()
+        try:
+            found = await asyncio.wait_for(asyncio.gather(*pending.futures), self.config.rendezvous_timeout)
+        except asyncio.TimeoutError:
+            raise EngineError(f"Decode did not post a rendezvous within {self.config.rendezvous_timeout:g} s") from None
+        pending.record["rendezvous_ms"] = round((time.monotonic() - started) * 1e3, 1)
+        pending.record["children"] = [
+            {k: r.get(k) for k in ("endpoint", "first_block", "num_tokens")} for r in found
+        ]
+        targets = {str(i): {"endpoint": r["endpoint"], "first_block": int(r.get("first_block", 0))} for i, r in enumerate(found)}
+        prefill_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        prefill_body.update(max_tokens=1, stream=False)
+        if "max_completion_tokens" in body:
+            prefill_body["max_completion_tokens"] = 1
+        prefill_body["kv_transfer_params"] = {
+            "do_remote_decode": True, "rd2h": {"id": pending.rid, "children": pending.children, "targets": targets},
+        }
+        sent = time.monotonic()
+        response = await self._send(self._prefill, path, prefill_body, stream=False)
+        pending.record["prefill_ms"] = round((time.monotonic() - sent) * 1e3, 1)
+        if response.status_code >= 400:
+            raise EngineError(f"Prefill answered {response.status_code}: {response.text[:300]}")
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def handle(self, request: Request, path: str) -> Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return JSONResponse({"error": {"message": "the body is not JSON"}}, status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the body must be a JSON object"}}, status_code=400)
+        rid = uuid.uuid4().hex
+        n = children_of(body, path)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(rid, n, [loop.create_future() for _ in range(n)], {"id": rid, "path": path})
+        self.pending[rid] = pending
+        self.recent.append(pending.record)
+        started = time.monotonic()
+        metaserver = self.config.metaserver_url or str(request.base_url).rstrip("/") + RENDEZVOUS_PATH
+        decode_body = dict(body)
+        decode_body["kv_transfer_params"] = {
+            "do_remote_prefill": True, "rd2h": {"id": rid, "children": n, "metaserver": metaserver},
+        }
+        stream = bool(body.get("stream"))
+        prefill = asyncio.create_task(self.prefill(pending, path, body))
+        decode = asyncio.create_task(self._send(self._decode, path, decode_body, stream=stream))
+        try:
+            response = await self._first(decode, prefill)
+        except EngineError as exc:
+            self._finish(pending, started, 502, str(exc))
+            return JSONResponse({"error": {"message": str(exc), "type": "rd2h_proxy_error"}}, status_code=502)
+        if not stream:
+            data = await response.aread()
+            await response.aclose()
+            await self._settle(prefill)
+            self._finish(pending, started, response.status_code)
+            return Response(data, status_code=response.status_code, media_type=response.headers.get("content-type"))
+        return StreamingResponse(
+            self._relay(response, prefill, pending, started), status_code=response.status_code,
+            media_type=response.headers.get("content-type", "text/event-stream"),
+        )
+
+    async def _first(self, decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[None]) -> httpx.Response:
+        """Decode's response (headers), unless Prefill failed first: then Decode is cancelled."""
+        done, _ = await asyncio.wait({decode, prefill}, return_when=asyncio.FIRST_COMPLETED)
+        if prefill in done and prefill.exception() is not None:
+            await _cancel(decode)
+            raise EngineError(str(prefill.exception()))
+        try:
+            response = await decode
+        except EngineError:
+            await _cancel(prefill)
+            raise
+        if response.status_code >= 400:  # Decode refused it: Prefill has nothing to do
+            await _cancel(prefill)
+        return response
+
+    async def _settle(self, prefill: asyncio.Task[None]) -> None:
+        """Decode answered: Prefill's part has served its purpose; do not leave it running."""
+        if not prefill.done():
+            await _cancel(prefill)
+        elif not prefill.cancelled() and prefill.exception() is not None:
+            log.warning("Prefill failed after Decode answered: %s", prefill.exception())
+
+    async def _relay(
+        self, response: httpx.Response, prefill: asyncio.Task[None], pending: _Pending, started: float
+    ) -> AsyncIterator[bytes]:
+        chunks = response.aiter_raw()
+        status = response.status_code
+        try:
+            while True:
+                next_chunk = asyncio.ensure_future(chunks.__anext__())
+                waiting = {next_chunk} | ({prefill} if not prefill.done() else set())
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if prefill in done and not prefill.cancelled() and prefill.exception() is not None:
+                    await _cancel(next_chunk)
+                    status = 502
+                    error = {"error": {"message": str(prefill.exception()), "type": "rd2h_proxy_error"}}
+                    yield f"data: {json.dumps(error)}\n\n".encode()
+                    return
+                try:
+                    yield await next_chunk
+                except StopAsyncIteration:
+                    return
+        finally:
+            await response.aclose()
+            await self._settle(prefill)
+            self._finish(pending, started, status)
+
+    def _finish(self, pending: _Pending, started: float, status: int, error: str = "") -> None:
+        self.pending.pop(pending.rid, None)  # a late rendezvous now gets 404
+        pending.record.update(status=status, total_ms=round((time.monotonic() - started) * 1e3, 1))
+        if error:
+            pending.record["error"] = error
+        log.info("rd2h proxy %s", json.dumps(pending.record, sort_keys=True))
+
+    # -- metaserver ----------------------------------------------------------------------
+
+    def rendezvous(self, body: dict[str, Any]) -> Response:
+        pending = self.pending.get(str(body.get("id")))
+        if pending is None:
+            return JSONResponse({"error": f"no request {body.get('id')!r} waits for a rendezvous"}, status_code=404)
+        child = body.get("child", 0)
+        if not isinstance(child, int) or not 0 <= child < pending.children or "endpoint" not in body:
+            return JSONResponse({"error": "a rendezvous needs an endpoint and a child index in range"}, status_code=400)
+        future = pending.futures[child]
+        if not future.done():
+            future.set_result(body)
+        return JSONResponse({"ok": True})
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        result = await task
+        if isinstance(result, httpx.Response):
+            await result.aclose()
+
+
+def create_app(config: ProxyConfig) -> FastAPI:
+    """The proxy as an ASGI app; its HTTP client lives as long as the app runs."""
+    proxy = _Proxy(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        async with httpx.AsyncClient(limits=limits) as client:
+            proxy.client = client
+            yield
+        proxy.client = None
+
+    app = FastAPI(title="rd2h proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/chat/completions")
+
+    @app.post(RENDEZVOUS_PATH)
+    async def rendezvous(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return JSONResponse({"error": "the body is not JSON"}, status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
+        return proxy.rendezvous(body)
+
+    @app.get("/v1/rd2h/requests")
+    async def requests() -> list[dict[str, Any]]:
+        return list(proxy.recent)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "pending": len(proxy.pending)}
+
+    return app

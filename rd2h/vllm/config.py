@@ -1,0 +1,79 @@
+"""The connector's settings, read from ``kv_connector_extra_config`` (no vLLM import).
+
+Every key is optional::
+
+    {"engine": "local", "engine_options": {}, "channel": "zmq", "channel_options": {},
+     "kv_port": 5600, "host": "127.0.0.1", "advertise_host": null,
+     "mode": "dense",              # or "sfa"
+     "request_timeout": 120.0,     # Decode: a request not pulled by then fails
+     "reply_timeout": 30.0,        # Prefill: a Decode silent that long is abandoned
+     "metaserver": null,           # Decode: default rendezvous URL (the proxy sends its own)
+     "metaserver_retries": 5}
+
+Unknown keys are refused, so a misspelt option is an error at startup, not a silent default.
+Keys starting with ``_test_`` are test-only hooks (see ``rd2h.vllm.worker``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from rd2h.errors import ConfigError
+
+__all__ = ["Mode", "ConnectorConfig"]
+
+
+class Mode(Enum):
+    DENSE = "dense"  # main KV into vLLM's own paged cache, a full copy on every Decode rank
+    SFA = "sfa"  # the specification's layout: a TP-shared main pool, rank-local indexer/scale
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    engine: str = "local"
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    channel: str = "zmq"
+    channel_options: Mapping[str, Any] = field(default_factory=dict)
+    kv_port: int = 5600
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    mode: Mode = Mode.DENSE
+    request_timeout: float | None = 120.0
+    reply_timeout: float = 30.0
+    metaserver: str | None = None
+    metaserver_retries: int = 5
+    test_corrupt: bool = False  # Decode: overwrite received blocks with noise (negative control)
+    test_hold_file: str | None = None  # Prefill: touch FILE.held, then hold the first send
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Raises ConfigError naming an unknown key or a bad value."""
+        values = dict(extra or {})
+        names = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key[1:] if key.startswith("_test_") else key
+            if name not in names or (name.startswith("test_") and not key.startswith("_")):
+                raise ConfigError(
+                    f"unknown kv_connector_extra_config key {key!r}; known: "
+                    + ", ".join(sorted(n for n in names if not n.startswith("test_")))
+                )
+            kwargs[name] = value
+        if "mode" in kwargs:
+            try:
+                kwargs["mode"] = Mode(kwargs["mode"])
+            except ValueError:
+                raise ConfigError(f"mode must be 'dense' or 'sfa', got {kwargs['mode']!r}") from None
+        config = cls(**kwargs)
+        if not isinstance(config.kv_port, int) or not 1 <= config.kv_port <= 65535:
+            raise ConfigError(f"kv_port must be a port number, got {config.kv_port!r}")
+        if config.reply_timeout <= 0 or (config.request_timeout is not None and config.request_timeout <= 0):
+            raise ConfigError("reply_timeout and request_timeout must be positive")
+        return config
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise_host or self.host

@@ -1,0 +1,179 @@
+"""``RD2HConnector``: vLLM's KV Connector V1 over rd2h.
+
+A thin facade: the scheduler role delegates to :class:`~rd2h.vllm.scheduler.RD2HScheduler`,
+the worker role to :class:`~rd2h.vllm.worker.RD2HWorker`. Roles: ``kv_producer`` (Prefill),
+``kv_consumer`` (Decode), ``kv_both``. Settings come from ``kv_connector_extra_config``
+(:class:`~rd2h.vllm.config.ConnectorConfig`).
+
+Hooks that exist only in some vLLM versions (vllm-ascend's ``wait_for_layer_send``,
+``on_kv_cache_written``, ``requires_full_blocks_on_update_after_alloc``; upstream's
+``get_transfer_results`` with ``failed_recving``) are defined here and harmless where
+nobody calls them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from rd2h.vllm.config import ConnectorConfig
+from rd2h.vllm.metadata import StepMetadata
+from rd2h.vllm.scheduler import RD2HScheduler
+from rd2h.vllm.worker import RD2HWorker
+
+try:  # vLLM >= 0.11: connectors that take every KV cache group at once
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - older vLLM
+    SupportsHMA = object  # type: ignore[assignment,misc]
+
+try:  # vLLM 0.32: failures per request, not as a flat block set
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RD2HConnector"]
+
+log = logging.getLogger("rd2h.vllm")
+
+
+def _block_sizes(vllm_config: Any, kv_cache_config: Any) -> list[int]:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    sizes = [int(g.kv_cache_spec.block_size) for g in groups]
+    return sizes or [int(vllm_config.cache_config.block_size)]
+
+
+class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """Disaggregated Prefill/Decode by layer-wise pull. See ``docs/vllm.md``."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.rd2h_config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        consumer, producer = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
+        parallel = vllm_config.parallel_config
+        tp = int(parallel.tensor_parallel_size)
+        dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        sizes = _block_sizes(vllm_config, kv_cache_config)
+        self._scheduler: RD2HScheduler | None = None
+        self._worker: RD2HWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = RD2HScheduler(
+                self.rd2h_config, consumer=consumer, producer=producer, block_sizes=sizes, tp_size=tp,
+                dp_rank=dp_rank, world_size=int(parallel.world_size),
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = RD2HWorker(
+                self.rd2h_config, consumer=consumer, producer=producer, rank=get_tensor_model_parallel_rank(),
+                tp_size=tp, dp_rank=dp_rank, block_sizes=sizes,
+            )
+
+    @property
+    def scheduler(self) -> RD2HScheduler:
+        assert self._scheduler is not None, "a scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> RD2HWorker:
+        assert self._worker is not None, "a worker-side call on a scheduler connector"
+        return self._worker
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        self.worker.register(kv_caches, {n: num_blocks or int(t.shape[0]) for n, t in kv_caches.items()})
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, StepMetadata):
+            self.worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.step_done()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Nothing to start: pulls run on the sink's thread from the moment the step's
+        metadata was bound, and a request is scheduled only once all of it arrived."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for (see :meth:`start_load_kv`)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker.save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        """Sends are asynchronous: the blocks stay held until finished-sending."""
+
+    def wait_for_layer_send(self, layer_name: str) -> None:
+        """vllm-ascend: before the layer's buffers are overwritten (layerwise Prefill)."""
+        source = self.worker.source
+        if source is not None:
+            source.wait_for_layer_send(layer_name)
+
+    def on_kv_cache_written(self, layer_name: str, kv_layer: Any = None, *args: Any, **kwargs: Any) -> None:
+        """vllm-ascend: the layer's KV was written; announced as ``save_kv_layer`` does."""
+        self.worker.save_layer(layer_name, kv_layer)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self.worker.transfer_results()
+        return sending or None, recving or None
+
+    if KVConnectorTransferResults is not None:
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            sending, recving, failed = self.worker.transfer_results()
+            return KVConnectorTransferResults(
+                finished_sending=sending, finished_recving=recving, failed_recving=failed
+            )
+
+    def build_connector_worker_meta(self) -> Any:
+        return self.worker.worker_report()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def requires_full_blocks_on_update_after_alloc(self) -> bool:
+        """vllm-ascend: rd2h wants every block of the request (the whole table from 0)."""
+        return True
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # any layout whose blocks are dense pages on dimension 0 (or [2, blocks, ...])

@@ -1,0 +1,89 @@
+"""What the scheduler tells the workers each step, and what the workers tell it back.
+
+Both are plain frozen dataclasses of tuples and ints: vLLM pickles them to every worker
+process, and workers must never mutate what they received (a step's metadata may be read
+again after the forward, since vLLM >= 0.32 calls ``start_load_kv`` after it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+__all__ = ["RecvSpec", "SendSpec", "SendBlocks", "SendFinish", "StepMetadata", "WorkerReport"]
+
+Groups = tuple[tuple[int, ...], ...]  # block ids per KV cache group
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSpec:
+    """Decode: pull ``ext_id`` into these destination blocks (all groups, prompt order)."""
+
+    ext_id: str
+    req_id: str
+    blocks: Groups
+    first_block: int  # main blocks before it are this engine's own prefix-cache hit
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendSpec:
+    """Prefill: ``ext_id`` goes to ``endpoint`` (``DecodeEndpoint`` text)."""
+
+    ext_id: str
+    req_id: str
+    endpoint: str
+    blocks: Groups
+    num_tokens: int
+    first_block: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendBlocks:
+    """Prefill: source blocks allocated to ``ext_id`` in this step."""
+
+    ext_id: str
+    blocks: Groups
+
+
+@dataclass(frozen=True, slots=True)
+class SendFinish:
+    """Prefill: vLLM finished ``req_id``; report it finished-sending once Decode is done
+    with its blocks (``aborted``: stop announcing it first)."""
+
+    ext_id: str
+    req_id: str
+    aborted: bool
+
+
+@dataclass(frozen=True)
+class StepMetadata(KVConnectorMetadata):
+    recv: tuple[RecvSpec, ...] = ()
+    recv_abort: tuple[str, ...] = ()  # ext ids
+    send_new: tuple[SendSpec, ...] = ()
+    send_blocks: tuple[SendBlocks, ...] = ()
+    computed: tuple[tuple[str, int], ...] = ()  # ext id -> prompt tokens cached after this step
+    send_finish: tuple[SendFinish, ...] = ()
+
+    @property
+    def sends(self) -> bool:
+        return bool(self.computed)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Per step, from each worker: the ext ids it now expects (Decode). Summed over
+    workers, a count equal to the world size means every rank knows the destinations,
+    so the rendezvous may be posted (never before: Prefill would be refused)."""
+
+    expected: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
+        merged = dict(self.expected)
+        for ext_id, n in getattr(other, "expected", {}).items():
+            merged[ext_id] = merged.get(ext_id, 0) + n
+        return WorkerReport(merged)

@@ -1,0 +1,288 @@
+"""The connector's worker side: vLLM's paged cache as rd2h sources and destinations.
+
+One :class:`RD2HWorker` per vLLM worker (TP rank). Decode builds a
+:class:`~rd2h.api.KVSink` over the rank's KV cache tensors, Prefill a
+:class:`~rd2h.api.KVSource`; each step's :class:`~rd2h.vllm.metadata.StepMetadata` is
+applied when vLLM binds it, before the forward, so nothing depends on ``start_load_kv``
+running first. Prefill announces a layer from ``save_kv_layer`` (after vLLM wrote it);
+Decode needs no per-layer wait: vLLM schedules a request only after it was reported
+finished-receiving, every layer already in place.
+
+Modes: ``dense`` registers every attention layer's cache as main KV and reads a full copy
+on every Decode rank (``main_split="replicated"``: vLLM's paged cache is rank-local).
+``sfa`` pairs each attention layer with its indexer cache (a layer whose name ends in
+``indexer.k_cache``, in its own KV cache group) and reads main KV as disjoint shares of a
+TP-shared pool (``main_split="shared"``), the specification's layout.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rd2h.endpoint import DecodeEndpoint
+from rd2h.errors import ConfigError, RD2HError, UnknownRequestError
+from rd2h.outcome import Outcome
+from rd2h.tensors import LayerTensors, layer_layout, record_event
+from rd2h.vllm.config import ConnectorConfig, Mode
+from rd2h.vllm.metadata import StepMetadata, WorkerReport
+
+__all__ = ["RD2HWorker", "split_layers"]
+
+log = logging.getLogger("rd2h.vllm.worker")
+
+_INDEXER_SUFFIX = ".indexer.k_cache"
+
+
+def _block_first(tensor: Any, num_blocks: int) -> list[Any]:
+    """The main tensors of one layer cache, each indexed by block on dimension 0:
+    CPU/MLA caches are block-first already; a ``[2, num_blocks, ...]`` K/V pair is split."""
+    shape = tuple(tensor.shape)
+    if shape[0] == num_blocks:
+        return [tensor]
+    if len(shape) > 1 and shape[0] == 2 and shape[1] == num_blocks:
+        return [tensor[0], tensor[1]]
+    raise ConfigError(f"cannot find the block dimension ({num_blocks} blocks) of a KV cache of shape {shape}")
+
+
+def split_layers(
+    kv_caches: Mapping[str, Any], num_blocks: Mapping[str, int], mode: Mode
+) -> dict[str, LayerTensors]:
+    """rd2h layers from vLLM's ``{layer name: cache tensor}``.
+
+    A layer whose cache is another layer's storage (vLLM shares caches between layers,
+    e.g. cross-layer KV sharing) is skipped: its bytes move with the owner. In ``sfa``
+    mode an indexer cache becomes the indexer of the attention layer it belongs to.
+    Raises ConfigError for a cache whose block dimension cannot be found, or (sfa) an
+    indexer with no attention layer.
+    """
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    main: dict[str, list[Any]] = {}
+    indexers: dict[str, Any] = {}
+    for name, tensor in kv_caches.items():
+        key = (int(tensor.data_ptr()), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors = _block_first(tensor, num_blocks[name])
+        if mode is Mode.SFA and name.endswith(_INDEXER_SUFFIX):
+            indexers[name[: -len(_INDEXER_SUFFIX)]] = tensors[0]
+        else:
+            main[name] = tensors
+    layers: dict[str, LayerTensors] = {}
+    for name, tensors in main.items():
+        owner = next((prefix for prefix in indexers if name.startswith(prefix + ".")), None)
+        layers[name] = LayerTensors(main=tensors, indexer=indexers.pop(owner) if owner else None)
+    if indexers:
+        raise ConfigError(f"indexer caches without an attention layer: {sorted(indexers)}")
+    return layers
+
+
+def _accepts(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.__init__).parameters
+
+
+class RD2HWorker:
+    """Worker-side state of one TP rank. Call :meth:`register` once with the caches."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        consumer: bool,
+        producer: bool,
+        rank: int,
+        tp_size: int,
+        dp_rank: int,
+        block_sizes: Sequence[int],
+    ) -> None:
+        self.config = config
+        self.consumer, self.producer = consumer, producer
+        self.rank, self.tp_size, self.dp_rank = rank, tp_size, dp_rank
+        self.block_sizes = tuple(block_sizes)
+        self.sink: Any = None
+        self.source: Any = None
+        self._tensors: dict[str, LayerTensors] = {}
+        self._bound: StepMetadata | None = None
+        self._sends = False  # this step announces layers
+        self._recv_req: dict[str, str] = {}  # ext id -> req id (Decode)
+        self._recv_blocks: dict[str, tuple[int, tuple[int, ...]]] = {}  # for the corruption hook
+        self._expected: dict[str, int] = {}  # expected in this step (reported back)
+        self._send_req: dict[str, str] = {}  # ext id -> req id (Prefill)
+        self._sent: dict[str, Outcome] = {}  # outcomes whose request vLLM has not finished yet
+        self._finishing: set[str] = set()  # ext ids vLLM finished, outcome not yet in
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._held = False
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def register(self, kv_caches: Mapping[str, Any], num_blocks: Mapping[str, int]) -> None:
+        from rd2h.api import KVSink, KVSource
+
+        self._tensors = split_layers(kv_caches, num_blocks, self.config.mode)
+        layouts = {
+            name: layer_layout(t, block_tokens=self.block_sizes[0], layout_name="vllm")
+            for name, t in self._tensors.items()
+        }
+        cfg = self.config
+        if self.consumer:
+            split = "replicated" if cfg.mode is Mode.DENSE else "shared"
+            self.sink = KVSink(
+                layouts, rank=self.rank, tp_size=self.tp_size, host=cfg.host, kv_port=cfg.kv_port,
+                dp_rank=self.dp_rank, engine=cfg.engine, engine_options=cfg.engine_options,
+                channel=cfg.channel, channel_options=cfg.channel_options, advertise_host=cfg.advertise_host,
+                main_split=split, request_timeout=cfg.request_timeout,
+            )
+        if self.producer:
+            extra: dict[str, Any] = {}
+            if len(self.block_sizes) > 1 and _accepts(KVSource, "indexer_block_size"):
+                extra["indexer_block_size"] = self.block_sizes[1]
+            self.source = KVSource(
+                layouts, block_size=self.block_sizes[0], rank=self.rank, tp_size=self.tp_size,
+                engine=cfg.engine, engine_options=cfg.engine_options, channel=cfg.channel,
+                channel_options=cfg.channel_options, reply_timeout=cfg.reply_timeout, **extra,
+            )
+        log.info(
+            "rd2h worker rank %d/%d: %d layers, mode %s, %s", self.rank, self.tp_size, len(layouts),
+            cfg.mode.value, "decode" if self.consumer else "prefill",
+        )
+
+    # -- per step ------------------------------------------------------------------------
+
+    def bind(self, meta: StepMetadata) -> None:
+        """Apply one step's metadata (once, however often vLLM binds it)."""
+        if meta is self._bound:
+            return
+        self._bound = meta
+        if self.sink is not None:
+            self._apply_recv(meta)
+        if self.source is not None:
+            self._apply_send(meta)
+
+    def _apply_recv(self, meta: StepMetadata) -> None:
+        for spec in meta.recv:
+            indexer = spec.blocks[1] if self.config.mode is Mode.SFA and len(spec.blocks) > 1 else None
+            self._recv_req[spec.ext_id] = spec.req_id
+            try:
+                self.sink.expect(spec.ext_id, spec.blocks[0], indexer, first_block=spec.first_block)
+            except RD2HError as exc:  # refused destinations: fail it, vLLM frees it
+                log.error("Decode rank %d: cannot expect %s: %s", self.rank, spec.ext_id, exc)
+                self._failed_recving.add(spec.req_id)
+                self._finished_recving.add(spec.req_id)
+                self._recv_req.pop(spec.ext_id, None)
+                continue
+            self._recv_blocks[spec.ext_id] = (spec.first_block, spec.blocks[0])
+            self._expected[spec.ext_id] = 1
+        for ext_id in meta.recv_abort:
+            self.sink.abort(ext_id)  # reported ABORTED through take(), once no read writes it
+
+    def _apply_send(self, meta: StepMetadata) -> None:
+        for spec in meta.send_new:
+            self._hold_for_test()
+            self._send_req[spec.ext_id] = spec.req_id
+            self.source.add_request(
+                spec.ext_id, DecodeEndpoint.parse(spec.endpoint), main_block_ids=spec.blocks[0],
+                indexer_block_ids=self._indexer(spec.blocks), num_tokens=spec.num_tokens,
+                first_block=spec.first_block,
+            )
+        for more in meta.send_blocks:
+            indexer = self._indexer(more.blocks)
+            self.source.extend(more.ext_id, main_block_ids=more.blocks[0], indexer_block_ids=indexer or ())
+        self._sends = bool(meta.computed)
+        if self._sends:
+            for ext_id, error in self.source.schedule(dict(meta.computed)).items():
+                log.error("Prefill rank %d: %s not scheduled: %s", self.rank, ext_id, error)
+        for finish in meta.send_finish:
+            self._finishing.add(finish.ext_id)
+            if finish.aborted:
+                try:
+                    self.source.abort(finish.ext_id)
+                except UnknownRequestError:  # already settled and collected
+                    pass
+
+    def _indexer(self, blocks: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
+        return blocks[1] if self.config.mode is Mode.SFA and len(blocks) > 1 else None
+
+    def save_layer(self, layer_name: str, kv_layer: Any) -> None:
+        """Prefill: the layer is written for this step; announce it."""
+        if not self._sends or layer_name not in self._tensors:
+            return
+        self.source.wait_for_layer_send(layer_name)
+        self.source.layer_ready(layer_name, record_event(kv_layer))
+
+    def step_done(self) -> None:
+        self._sends = False
+
+    # -- results -------------------------------------------------------------------------
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) request ids, each once."""
+        if self.sink is not None:
+            for ext_id, outcome in self.sink.take().items():
+                req_id = self._recv_req.pop(ext_id, None)
+                where = self._recv_blocks.pop(ext_id, None)
+                if req_id is None:
+                    continue
+                if not outcome.ok:
+                    log.warning("Decode rank %d: %s %s: %s", self.rank, ext_id, outcome.state.name, outcome.error)
+                    self._failed_recving.add(req_id)
+                elif self.config.test_corrupt and where is not None:
+                    self._corrupt(*where)
+                self._finished_recving.add(req_id)
+        if self.source is not None:
+            self._sent.update(self._take_sent())
+            for ext_id in list(self._finishing):
+                outcome = self._sent.pop(ext_id, None)
+                if outcome is None:
+                    continue
+                if not outcome.ok:
+                    log.warning("Prefill rank %d: %s %s: %s", self.rank, ext_id, outcome.state.name, outcome.error)
+                self._finishing.discard(ext_id)
+                self._finished_sending.add(self._send_req.pop(ext_id))
+        results = self._finished_sending, self._finished_recving, self._failed_recving
+        self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
+        return results
+
+    def _take_sent(self) -> dict[str, Outcome]:
+        take = getattr(self.source, "take", None) or self.source.take_finished
+        return take()
+
+    def worker_report(self) -> WorkerReport | None:
+        if not self._expected:
+            return None
+        report, self._expected = WorkerReport(self._expected), {}
+        return report
+
+    def close(self) -> None:
+        for runtime in (self.source, self.sink):
+            if runtime is not None:
+                runtime.close()
+        self.source = self.sink = None
+
+    # -- test-only hooks (kv_connector_extra_config "_test_*") ----------------------------
+
+    def _corrupt(self, first_block: int, blocks: tuple[int, ...]) -> None:
+        """Negative control: replace what was received with noise, so a test that compares
+        tokens proves it depends on the transfer."""
+        import torch
+
+        ids = torch.tensor(blocks[first_block:], dtype=torch.long)
+        for layer in self._tensors.values():
+            for tensor in layer.main:
+                tensor[ids] = torch.randn(tensor[ids].shape, dtype=torch.float32).to(tensor.dtype)
+
+    def _hold_for_test(self) -> None:
+        """Kill test: say the first send is in hand, then hold it (the test kills us)."""
+        path = self.config.test_hold_file
+        if path is None or self._held:
+            return
+        self._held = True
+        with open(f"{path}.held", "w"):
+            pass
+        threading.Event().wait(float(os.environ.get("RD2H_TEST_HOLD_SECONDS", "120")))
