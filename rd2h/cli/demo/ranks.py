@@ -125,6 +125,8 @@ def _prefill(config: DemoConfig, rank: int, events: Any, go: Any) -> dict[str, A
             for layer in range(config.layers):
                 name = config.layer_name(layer)
                 source.wait_for_layer_send(name)
+                if config.compute_ms:  # a device computing the layer: the host thread only waits
+                    time.sleep(config.compute_ms / 1e3)
                 slot = slots[layer % config.slots]
                 for req in work.requests:
                     chunk = chunks.get(req.ext_id)

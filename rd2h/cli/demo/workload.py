@@ -46,6 +46,7 @@ class DemoConfig:
     kv_port: int = 5600
     seed: int = 0
     timeout: float = 60.0
+    compute_ms: float = 0.0  # simulated device compute per layer and step (the CPU stays free)
     # Rank placement, to run the two sides as two hosts (e.g. network namespaces joined by a
     # veth pair): the named network namespace (`ip netns`) each side's ranks enter, and engine
     # options for one side only, over `engine_options` (an engine's own address, say).
@@ -60,6 +61,8 @@ class DemoConfig:
         for name in ("layers", "requests", "max_tokens", "block_size", "chunk_tokens", "slots"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.compute_ms >= 0:
+            raise ConfigError(f"compute_ms must be >= 0, got {self.compute_ms}")
         if self.slots > self.layers:
             raise ConfigError(f"slots ({self.slots}) cannot exceed layers ({self.layers})")
 
