@@ -297,19 +297,18 @@ class SendTracker:
             if request.state in ANNOUNCED:
                 self._decide(request, _RE.FAIL, failure, now)
 
-    def abort(self, ext_id: str, now: float) -> None:
+    def abort(self, ext_id: str, now: float) -> bool:
         """The caller gives up on ``ext_id``: it is announced no more and ends ABORTED once no
         readiness naming it is unanswered (or keeps the failure it already had).
 
-        A no-op for a request that ended but was not collected; raises UnknownRequestError
-        for an id never added or already collected.
+        False, and nothing recorded, for an id that is not live (never added, or already
+        ended: its outcome stands), as the Decode side's ``abort`` does.
         """
         request = self._requests.get(ext_id)
         if request is None:
-            if ext_id in self._book:
-                return
-            raise UnknownRequestError(f"request {ext_id!r} is not tracked")
+            return False
         self._decide(request, _RE.ABORT, None, now)
+        return True
 
     def take(self) -> dict[str, Outcome]:
         """Every outcome settled since the last ``take``/``collect``, consumed."""

@@ -237,13 +237,14 @@ class Source:
                 self._lock.wait(remaining)
         return found
 
-    def abort(self, ext_id: str) -> None:
+    def abort(self, ext_id: str) -> bool:
         """Give up on ``ext_id``: it is announced no more and reported ABORTED once no
         Decode endpoint may still be reading its blocks (a request that already failed
-        stays FAILED). Raises UnknownRequestError for an id never added or already taken."""
+        stays FAILED). False, and nothing reported, for an id that is not live."""
         with self._lock:
-            self._tracker.abort(ext_id, self._clock())
+            found = self._tracker.abort(ext_id, self._clock())
             self._lock.notify_all()
+            return found
 
     @property
     def stray_replies(self) -> int:
