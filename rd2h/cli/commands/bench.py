@@ -81,7 +81,11 @@ def _engine_specs(names: list[str], options: list[tuple[str, object]], threads: 
 def _reexec_under_kit() -> None:
     import importlib.util
 
-    path = Path.cwd() / "tests" / "kit" / "memfabric-cpu" / "kitenv.py"
+    import rd2h
+
+    kit = Path("tests") / "kit" / "memfabric-cpu" / "kitenv.py"
+    roots = (Path(rd2h.__file__).resolve().parents[1], Path.cwd())  # an editable install, or here
+    path = next((root / kit for root in roots if (root / kit).exists()), roots[0] / kit)
     spec = importlib.util.spec_from_file_location("rd2h_kitenv", path)
     if spec is None or spec.loader is None or not path.exists():
         raise SystemExit(f"--memfabric-kit needs a source checkout: {path} is missing")
