@@ -46,6 +46,9 @@ class Capability(enum.Flag):
     WRITE_TO_DEVICE = enum.auto()  # local destinations may be accelerator memory
     CROSS_HOST = enum.auto()  # the peer may live on another machine
     NEEDS_REGISTERED_DESTINATIONS = enum.auto()  # local destinations must be registered first
+    # connect() proves that the metadata comes from the process it names and that the peer
+    # registered every region it declares; without it, an engine believes what it is told
+    PROVES_PEER = enum.auto()
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,10 @@ Hooks for engines that need more than options:
   each with its reason in the report. Features: ``kill_peer`` (fails cleanly when the
   peer dies), ``local_region_check`` (refuses unregistered destinations),
   ``session_close`` (a closed session refuses reads), ``concurrent_reads``;
+- ``forged_metadata(genuine, other_pid)``: for an engine with ``Capability.PROVES_PEER``,
+  the peer's metadata rewritten to name process ``other_pid`` (or memory the peer did not
+  register), as a hostile peer would; ``connect`` must refuse each. Engines that cannot tell
+  who sent metadata leave the flag out and the check is skipped with that reason;
 - ``failure_bound_s``: how fast a failure must be reported (dead peer, garbage metadata);
   keep it above the engine's own call timeout;
 - ``reader_role`` / ``peer_role``: which role reads ("decode") and which is read ("prefill");
@@ -341,6 +345,24 @@ class EngineConformance:
             self.check(reader, peer, descs, "read through a legacy session")
         finally:
             session.close()
+
+    @classmethod
+    def forged_metadata(cls, genuine: bytes, other_pid: int) -> Mapping[str, bytes]:
+        """Forgeries of ``genuine`` (see the module doc); engines with PROVES_PEER override."""
+        raise NotImplementedError(f"{cls.__name__} declares PROVES_PEER: implement forged_metadata()")
+
+    def test_refuses_metadata_naming_another_process(self, reader: Reader, peer: PeerProcess) -> None:
+        """A peer may name only its own registered memory: metadata that names another
+        process (here the reader's own, the copy-Decode's-own-memory attack) or memory the
+        peer did not register is refused at connect, before any byte moves."""
+        if not type(reader.engine).capabilities & Capability.PROVES_PEER:
+            pytest.skip(f"{self.engine_name} declares it cannot tell who produced metadata (no PROVES_PEER)")
+        import os
+
+        for what, blob in self.forged_metadata(peer.metadata, os.getpid()).items():
+            exc, _ = _within(self.failure_bound_s, lambda: reader.engine.connect(blob))
+            assert isinstance(exc, TransferError), f"{what}: connect should raise TransferError, got {exc!r}"
+        reader.engine.connect(peer.metadata).close()  # the genuine metadata still connects
 
     def test_empty_batch(self, reader: Reader, session: Session, peer: PeerProcess) -> None:
         empty = np.zeros(0, dtype=np.int64)

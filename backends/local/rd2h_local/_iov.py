@@ -115,10 +115,10 @@ def _failure(err: int, pid: int, pair: IovPair, i: int) -> TransferError:
     if err == errno.EPERM:
         return TransferError(
             f"not allowed to read the memory of process {pid} (process_vm_readv: EPERM). "
-            "The peer must allow it: with kernel.yama.ptrace_scope=1 the Prefill process calls "
-            "prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) (the local engine does so in register()); "
-            "otherwise give the Decode process CAP_SYS_PTRACE, run both as the same user, or set "
-            "kernel.yama.ptrace_scope=0"
+            "The peer must allow it: with kernel.yama.ptrace_scope=1 the Prefill's local engine "
+            "grants it (prctl PR_SET_PTRACER) to the one Decode process that proved itself on its "
+            "socket (ptracer='peer'); "
+            "otherwise give the Decode process CAP_SYS_PTRACE or run both as the same user"
         )
     if err == errno.EFAULT:
         return TransferError(

@@ -3,7 +3,10 @@
 A positional msgpack array, append-only like the rest of rd2h's wire formats:
 
     (b"rd2h-local", version, boot_id, hostname, pid_namespace | None, pid, start_time | None,
-     [(addr, length), ...])
+     [(addr, length), ...], proof_socket)
+
+``proof_socket`` names the Prefill's socket in the abstract namespace (see ``_proof``): the
+pid and regions above are believed only once the process there proves them.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ class PeerInfo:
     pid: int
     start_time: int | None
     regions: tuple[Region, ...]
+    proof_socket: str
 
 
 def encode(info: PeerInfo) -> bytes:
     regions = [(r.addr, r.length) for r in info.regions]
-    return ENVELOPE.pack(info.boot_id, info.hostname, info.pid_namespace, info.pid, info.start_time, regions)
+    return ENVELOPE.pack(info.boot_id, info.hostname, info.pid_namespace, info.pid, info.start_time, regions, info.proof_socket)
 
 
 def _optional_int(value: object, field: str) -> int | None:
@@ -39,12 +43,15 @@ def _optional_int(value: object, field: str) -> int | None:
 
 def decode(blob: bytes) -> PeerInfo:
     """Parse a peer's blob. Raises ``TransferError`` naming the field that is wrong."""
-    boot, host, pidns, pid, start, regions = ENVELOPE.unpack(blob, 6)
+    boot, host, pidns, pid, start, regions, proof = ENVELOPE.unpack(blob, 7)
     if not isinstance(boot, str) or not isinstance(host, str):
         raise ENVELOPE.malformed("boot_id and hostname must be strings")
     if not ENVELOPE.integer(pid, "pid"):
         raise ENVELOPE.malformed("pid must be positive")
+    if not isinstance(proof, str) or len(proof) > 100:
+        raise ENVELOPE.malformed("proof_socket must be a socket name")
     return PeerInfo(
         boot, host, _optional_int(pidns, "pid_namespace"), pid, _optional_int(start, "start_time"),
         tuple(Region(addr, length) for addr, length in ENVELOPE.regions(regions)),
+        proof,
     )

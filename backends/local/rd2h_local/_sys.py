@@ -20,7 +20,9 @@ __all__ = [
     "hostname",
     "pid_namespace",
     "start_time",
-    "allow_any_ptracer",
+    "ptrace_scope",
+    "set_ptracer",
+    "PTRACER_ANY",
     "ProcessHandle",
 ]
 
@@ -100,17 +102,22 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def allow_any_ptracer() -> bool:
-    """Let any same-user process read our memory when Yama's ptrace_scope is 1.
+def ptrace_scope() -> int | None:
+    """Yama's ``ptrace_scope`` (0 to 3), or None where Yama is not built in."""
+    value = _read("/proc/sys/kernel/yama/ptrace_scope")
+    return int(value) if value is not None and value.isdigit() else None
 
-    Best effort: returns whether the call was made and succeeded. Scopes 2 and 3 need
-    CAP_SYS_PTRACE and cannot be opened up from inside the process.
-    """
-    if _read("/proc/sys/kernel/yama/ptrace_scope") != "1":
-        return False
+
+PTRACER_ANY = _PR_SET_PTRACER_ANY
+
+
+def set_ptracer(pid: int) -> bool:
+    """``prctl(PR_SET_PTRACER, pid)``: under Yama scope 1, let ``pid`` (and its descendants)
+    read this process; 0 clears, ``PTRACER_ANY`` lets every same-user process. Whether the
+    call succeeded. Yama keeps one such pid per process: a call replaces the last."""
     _load()
     assert _libc is not None
-    return _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) == 0
+    return _libc.prctl(_PR_SET_PTRACER, pid, 0, 0, 0) == 0
 
 
 class ProcessHandle:

@@ -1,8 +1,9 @@
 """Same-host pull: Decode copies straight out of the Prefill process with ``process_vm_readv``.
 
-One copy, no shared-memory setup on the Prefill side. The Prefill side only registers
-its regions (and, where Yama restricts ptrace, allows any same-user process to read it);
-the Decode side connects with the Prefill metadata and reads batches of ranges.
+One copy, no shared-memory setup on the Prefill side. The Prefill side registers its
+regions and answers on a proof socket (``_proof``): the Decode side believes the pid and the
+regions of the metadata only once the process at the other end of that socket proves them,
+and the Prefill lets that reader alone ptrace it where Yama asks. Then Decode reads batches.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from rd2h.errors import (
 from rd2h.engine_support import check_read_arrays
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.regions import RegionSet
-from rd2h_local import _iov, _metadata, _sys
+from rd2h_local import _iov, _metadata, _proof, _sys
 from rd2h_local._bounds import FastBounds
 
 __all__ = ["LocalEngine", "LocalSession"]
@@ -45,9 +46,10 @@ DEFAULT_TIMEOUT = 30.0
 class LocalSession(Session):
     """A connection to one peer process on this host."""
 
-    def __init__(self, info: _metadata.PeerInfo, handle: _sys.ProcessHandle) -> None:
+    def __init__(self, info: _metadata.PeerInfo, handle: _sys.ProcessHandle, proof: _proof.Proof) -> None:
         self._info = info
         self._handle = handle
+        self._proof = proof  # held open: its end tells the Prefill to revoke our ptrace grant
         self.bounds = RegionSet(info.regions)
         self.fast_bounds = FastBounds(self.bounds)
         self._regions = _as_regions(self.bounds)
@@ -71,10 +73,11 @@ class LocalSession(Session):
     def close(self) -> None:
         self.closed = True
         self._handle.close()
+        self._proof.close()
 
 
 def _unknown_options(unknown: dict[str, object]) -> ConfigError:
-    known = "threads, parallel_threshold_bytes, timeout"
+    known = "threads, parallel_threshold_bytes, timeout, ptracer"
     return ConfigError(f"unknown option(s) for the local engine: {', '.join(sorted(unknown))} (known: {known})")
 
 
@@ -83,13 +86,22 @@ class LocalEngine(TransferEngine):
 
     Options: ``threads`` (copy threads for big batches; default ``min(4, cpu_count)``),
     ``parallel_threshold_bytes`` (batches above it are split across the threads) and
-    ``timeout`` (seconds a ``read_batch`` may take). Unknown options raise ``ConfigError``.
+    ``timeout`` (seconds a ``read_batch`` or a ``connect`` may take). ``ptracer`` (Prefill,
+    where Yama's ptrace_scope is 1): ``"peer"`` lets only the Decode process that proved
+    itself on the proof socket read this one; ``"any"`` every same-user process (the old,
+    weaker behaviour); ``"none"`` nobody (Decode then needs CAP_SYS_PTRACE). Unknown options
+    raise ``ConfigError``.
     Host memory only: device memory needs an engine with ``READ_FROM_DEVICE``.
     """
 
     name = "local"
     # Destinations are checked against registered regions, so they must be registered.
-    capabilities = Capability.READ_FROM_HOST | Capability.WRITE_TO_HOST | Capability.NEEDS_REGISTERED_DESTINATIONS
+    capabilities = (
+        Capability.READ_FROM_HOST
+        | Capability.WRITE_TO_HOST
+        | Capability.NEEDS_REGISTERED_DESTINATIONS
+        | Capability.PROVES_PEER
+    )
 
     @classmethod
     def availability(cls) -> Availability:
@@ -103,6 +115,7 @@ class LocalEngine(TransferEngine):
         threads: int | None = None,
         parallel_threshold_bytes: int = DEFAULT_PARALLEL_THRESHOLD,
         timeout: float = DEFAULT_TIMEOUT,
+        ptracer: str = "peer",
         **unknown: object,
     ) -> None:
         if unknown:
@@ -117,6 +130,8 @@ class LocalEngine(TransferEngine):
             raise ConfigError(f"parallel_threshold_bytes must be an integer >= 0, got {parallel_threshold_bytes!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if ptracer not in _proof.PTRACER_MODES:
+            raise ConfigError(f"ptracer must be one of {_proof.PTRACER_MODES}, got {ptracer!r}")
         ok, reason = _sys.syscall_available()
         if not ok:
             raise BackendUnavailableError(f"the local engine cannot run here: {reason}")
@@ -134,7 +149,8 @@ class LocalEngine(TransferEngine):
         self._sessions: list[LocalSession] = []
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
-        self._ptracer_set = False
+        self.ptracer = ptracer
+        self._witness: _proof.Witness | None = None  # Prefill: made by the first register
 
     # -- identity and registration ------------------------------------------------------
 
@@ -160,8 +176,8 @@ class LocalEngine(TransferEngine):
         with self._lock:
             self._bounds = RegionSet([*self._bounds, *((r.addr, r.length) for r in regions)])
             self._fast_bounds = FastBounds(self._bounds)
-            if self.role == "prefill" and not self._ptracer_set:
-                self._ptracer_set = _sys.allow_any_ptracer()
+            if self.role == "prefill" and self._witness is None:
+                self._witness = _proof.Witness(self._proven_regions, self.ptracer)
             info = _metadata.PeerInfo(
                 self._boot_id,
                 self._hostname,
@@ -169,14 +185,23 @@ class LocalEngine(TransferEngine):
                 self._pid,
                 _sys.start_time(self._pid),
                 _as_regions(self._bounds),
+                "" if self._witness is None else self._witness.name,
             )
         return _metadata.encode(info)
+
+    def _proven_regions(self) -> list[tuple[int, int]]:
+        """What the witness tells a reader: this process's registration now."""
+        with self._lock:
+            return list(self._bounds)
 
     def connect(self, peer_metadata: bytes) -> LocalSession:
         """Open a session to the process that produced ``peer_metadata``.
 
-        Raises ``TransferError`` for a malformed blob, a peer on another host or in another
-        pid namespace, or a peer we may not read; ``PeerGoneError`` when it is not running.
+        Believes nothing the blob declares until the process it names proves it on its proof
+        socket: that it is that process (``SO_PEERCRED``) and that it registered every region
+        the blob names. Raises ``TransferError`` for a malformed blob, a peer on another host
+        or in another pid namespace, a blob the named process does not prove, or a peer we may
+        not read; ``PeerGoneError`` when it is not running.
         """
         self._check_open()
         info = _metadata.decode(peer_metadata)
@@ -195,7 +220,12 @@ class LocalEngine(TransferEngine):
             handle = _sys.ProcessHandle(info.pid, info.start_time)
         except ProcessLookupError:
             raise PeerGoneError(f"peer process {info.pid} on {info.hostname!r} is not running") from None
-        session = LocalSession(info, handle)
+        try:
+            proof = self._prove(info)
+        except BaseException:
+            handle.close()
+            raise
+        session = LocalSession(info, handle, proof)
         try:
             self._probe(session)
         except BaseException:
@@ -208,6 +238,29 @@ class LocalEngine(TransferEngine):
             self._sessions = [s for s in self._sessions if not s.closed]
             self._sessions.append(session)
         return session
+
+    def _prove(self, info: _metadata.PeerInfo) -> _proof.Proof:
+        if not info.proof_socket:
+            raise TransferError(
+                f"the metadata of process {info.pid} names no proof socket (a Decode-role engine's, or "
+                "an older rd2h-local's): nothing it declares can be believed"
+            )
+        proof = _proof.verify(info.proof_socket, info.pid, time.monotonic() + min(self.timeout, 10.0))
+        try:
+            try:
+                proven = RegionSet(proof.regions)
+            except ValueError as exc:
+                raise TransferError(f"process {info.pid} proved malformed regions: {exc}") from None
+            for addr, length in RegionSet(info.regions):
+                if not proven.covers(addr, length):
+                    raise TransferError(
+                        f"the metadata of process {info.pid} declares [{addr:#x}, +{length}), which that "
+                        "process did not register: refused (a peer may name only its own registered memory)"
+                    )
+        except BaseException:
+            proof.close()
+            raise
+        return proof
 
     def _probe(self, session: LocalSession) -> None:
         """Read one byte now, so a permission problem shows at connect, not at the first layer."""
@@ -311,6 +364,9 @@ class LocalEngine(TransferEngine):
             self._closed = True
             pool, self._pool = self._pool, None
             sessions, self._sessions = self._sessions, []
+            witness, self._witness = self._witness, None
+        if witness is not None:
+            witness.close()
         if pool is not None:
             pool.shutdown(wait=True)
         for s in sessions:

@@ -42,7 +42,7 @@ class Buffers:
 def pair():
     """(engine, session, buffers): a decode engine connected to its own process."""
     buf = Buffers(4 << 20)
-    engine = LocalEngine("decode", threads=1)
+    engine = LocalEngine("prefill", threads=1)  # a prefill engine proves itself to its own reads
     meta = engine.register([Region(buf.src_addr, buf.src.nbytes), Region(buf.dst_addr, buf.dst.nbytes)])
     session = engine.connect(meta)
     yield engine, session, buf
@@ -126,6 +126,7 @@ def test_capabilities_and_availability():
         {"role": "decode", "parallel_threshold_bytes": -1},
         {"role": "decode", "timeout": 0},
         {"role": "decode", "timeout": "1"},
+        {"role": "prefill", "ptracer": "everyone"},
     ],
 )
 def test_bad_options_are_config_errors(kwargs):
@@ -163,29 +164,37 @@ def test_device_memory_is_refused():
         engine.register([Region(0x10000, 4096, device="npu:0")])
 
 
-def test_prefill_opens_ptrace_once_decode_never(monkeypatch):
+def test_prefill_never_opens_itself_to_any_process(monkeypatch):
+    """Issue 9: the Prefill engine called prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) in
+    register(), opening itself to every same-user process under Yama. Now it grants nothing
+    until a reader proves itself, and then that reader's pid only (test_proof.py)."""
     calls = []
-    monkeypatch.setattr(_sys, "allow_any_ptracer", lambda: calls.append(1) or True)
+    monkeypatch.setattr(_sys, "ptrace_scope", lambda: 1)
+    monkeypatch.setattr(_sys, "set_ptracer", lambda pid: calls.append(pid) or True)
     with LocalEngine("decode") as d:
         d.register([Region(0x10000, 4096)])
-    assert calls == []
     with LocalEngine("prefill") as p:
         p.register([Region(0x10000, 4096)])
         p.register([Region(0x20000, 4096)])
-    assert calls == [1]
+    assert calls == []
+    with LocalEngine("prefill", ptracer="any") as p:  # the old behaviour, opted into by name
+        p.register([Region(0x10000, 4096)])
+    assert calls == [_sys.PTRACER_ANY]
 
 
-def test_ptracer_only_under_yama_scope_1(monkeypatch):
+def test_ptrace_scope_reads_yama(monkeypatch):
     seen = {}
-    monkeypatch.setattr(_sys, "_read", lambda path: seen.setdefault(path, "0"))
-    assert _sys.allow_any_ptracer() is False
+    monkeypatch.setattr(_sys, "_read", lambda path: seen.setdefault(path, "1"))
+    assert _sys.ptrace_scope() == 1
     assert "/proc/sys/kernel/yama/ptrace_scope" in seen
+    monkeypatch.setattr(_sys, "_read", lambda path: None)
+    assert _sys.ptrace_scope() is None
 
 
 def _info(**changes):
     base = dict(
         boot_id=_sys.boot_id(), hostname="h", pid_namespace=_sys.pid_namespace(), pid=os.getpid(),
-        start_time=_sys.start_time(os.getpid()), regions=(Region(4096, 4096),),
+        start_time=_sys.start_time(os.getpid()), regions=(Region(4096, 4096),), proof_socket="",
     )  # fmt: skip
     return _metadata.encode(_metadata.PeerInfo(**{**base, **changes}))
 
@@ -217,13 +226,13 @@ def test_reused_pid_is_peer_gone():
     [
         (b"", "not msgpack"),
         (msgpack.packb({"a": 1}), "array"),
-        (msgpack.packb([b"other", 1, "", "", None, 1, None, []]), "not produced by the local engine"),
-        (msgpack.packb([b"rd2h-local", 99, "", "", None, 1, None, []]), "version 99"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, -1, None, []]), "pid"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 0, None, []]), "pid must be positive"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1]]]), "region 0"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1, 0]]]), "region 0"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[2**63 - 2, 2]]]), "region 0"),
+        (msgpack.packb([b"other", 1, "", "", None, 1, None, [], ""]), "not produced by the local engine"),
+        (msgpack.packb([b"rd2h-local", 99, "", "", None, 1, None, [], ""]), "version 99"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, -1, None, [], ""]), "pid"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 0, None, [], ""]), "pid must be positive"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1]], ""]), "region 0"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1, 0]], ""]), "region 0"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[2**63 - 2, 2]], ""]), "region 0"),
     ],
 )
 def test_malformed_metadata_names_the_field(blob, field):
@@ -284,7 +293,7 @@ def test_real_partial_transfer_then_efault_names_the_range(recorder):
     src.write(b"\x07" * (3 * PAGE))
     src_addr = ctypes.addressof(ctypes.c_char.from_buffer(src))
     dst = np.zeros(3 * PAGE, dtype=np.uint8)
-    with LocalEngine("decode", threads=1) as engine:
+    with LocalEngine("prefill", threads=1) as engine:
         session = engine.connect(engine.register([Region(src_addr, 3 * PAGE), Region(dst.ctypes.data, dst.nbytes)]))
         assert libc.mprotect(src_addr + 2 * PAGE, PAGE, 0) == 0  # PROT_NONE
         try:
@@ -310,7 +319,7 @@ def test_eperm_explains_the_fix(pair, monkeypatch):
 
 def test_eperm_shows_at_connect(monkeypatch):
     buf = Buffers(PAGE)
-    with LocalEngine("decode") as engine:
+    with LocalEngine("prefill") as engine:
         meta = engine.register([Region(buf.src_addr, PAGE)])
         monkeypatch.setattr(_sys, "process_vm_readv", failing(errno.EPERM))
         with pytest.raises(TransferError, match="PR_SET_PTRACER"):
@@ -451,7 +460,7 @@ def test_split_balances_cost_not_bytes():
 def test_big_batches_use_the_pool_and_close_joins_it(recorder):
     buf = Buffers(8 << 20, seed=9)
     before = set(threading.enumerate())  # engines of other tests may still have pools alive
-    engine = LocalEngine("decode", threads=3, parallel_threshold_bytes=1 << 20)
+    engine = LocalEngine("prefill", threads=3, parallel_threshold_bytes=1 << 20)
     session = engine.connect(engine.register([Region(buf.src_addr, buf.src.nbytes), Region(buf.dst_addr, buf.dst.nbytes)]))
     descs = blocks(128, 64 << 10, seed=1)
     recorder.calls.clear()  # drop connect's one-byte probe
@@ -484,7 +493,7 @@ def test_failure_in_one_share_stops_the_others_and_is_raised(monkeypatch):
         return real(pid, liov, lcnt, riov, rcnt, flags)
 
     monkeypatch.setattr(_sys, "process_vm_readv", fail_second_half)
-    with LocalEngine("decode", threads=2, parallel_threshold_bytes=0) as engine:
+    with LocalEngine("prefill", threads=2, parallel_threshold_bytes=0) as engine:
         session = engine.connect(engine.register([Region(buf.src_addr, buf.src.nbytes), Region(buf.dst_addr, buf.dst.nbytes)]))
         with pytest.raises(TransferError, match="EFAULT"):
             engine.read_batch(session, *arrays(buf, [(0, 0, 8 << 20)]))
