@@ -199,6 +199,7 @@ def _decode_into(config: DemoConfig, rank: int, pool: memoryview, events: Any, g
         "finished": finished,
         "bytes": counters.bytes_read,
         "read_seconds": [s.read_seconds for s in counters.stats],
+        "handle_seconds": [s.handle_seconds for s in counters.stats],
         "failed": failed,
         "mismatches": verify(work, local, (INDEXER, SCALE), len(MAIN_TENSORS)),
     }

@@ -53,6 +53,7 @@ def format_result(r: DemoResult) -> str:
         ("layer latency", f"p50 {r.layer_latency_p50_ms:.1f} ms   p99 {r.layer_latency_p99_ms:.1f} ms"
          " (layer announced -> every Decode rank replied)"),
         ("exposed transfer", f"{r.exposed_ms:.1f} ms after the last layer was computed"),
+        ("layer overhead", f"p50 {r.layer_overhead_p50_ms * 1e3:.0f} us per layer on Decode besides read_batch"),
     ]
     title = (f"rd2h demo: Prefill TP {r.prefill_tp} -> Decode TP {r.decode_tp}, {r.layers} layers, "
              f"{r.requests} requests, {r.steps} prefill step(s), engine {r.engine}")

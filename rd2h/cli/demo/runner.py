@@ -49,6 +49,8 @@ class DemoResult:
     layer_latency_p99_ms: float
     exposed_ms: float
     problems: list[str] = field(default_factory=list)
+    # Decode's time per readiness besides read_batch (plan, bookkeeping, reply), busiest rank
+    layer_overhead_p50_ms: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,4 +244,10 @@ def _summarize(
         layer_latency_p99_ms=float(np.percentile(latencies, 99)),
         exposed_ms=max(v["exposed_seconds"] for v in prefill) * 1e3,
         problems=problems,
+        layer_overhead_p50_ms=max(_overhead_p50_ms(v) for v in decode),
     )
+
+
+def _overhead_p50_ms(decode: dict[str, Any]) -> float:
+    handle, read = np.array(decode.get("handle_seconds", [])), np.array(decode["read_seconds"])
+    return float(np.median(handle - read)) * 1e3 if len(handle) == len(read) > 0 else 0.0
