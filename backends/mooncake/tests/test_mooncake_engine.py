@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,18 @@ from rd2h.testing.peer import PeerProcess
 from rd2h_mooncake import MooncakeEngine, _metadata, _native
 
 from mooncake_test_options import OPTIONS
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP, then wait until the kernel shows the process stopped (kill() returns earlier,
+    and a read issued in between would still be served)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+    raise AssertionError(f"process {pid} did not stop")
 
 
 def test_published_under_its_entry_point() -> None:
@@ -123,7 +136,7 @@ def test_stopped_peer_is_a_timeout_and_a_resumed_one_is_read_again(reader: Moonc
     session = reader.connect(peer.metadata)
     args = (np.array([dest.addr], np.int64), np.array([peer.regions[0][0]], np.int64), np.array([4 << 20], np.int64))
     reader.read_batch(session, *args)
-    os.kill(peer.pid, signal.SIGSTOP)
+    _stop(peer.pid)
     try:
         with pytest.raises(TransferTimeout, match="no progress"):
             reader.read_batch(session, *args)

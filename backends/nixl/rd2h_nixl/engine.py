@@ -41,9 +41,10 @@ log = logging.getLogger("rd2h_nixl")
 Int64Array = npt.NDArray[np.int64]
 
 _ROLES = ("prefill", "decode")
-_OPTIONS = "timeout, backend, progress_thread, progress_delay_us, agent_name, ucx_tls"
+_OPTIONS = "timeout, backend, progress_thread, progress_delay_us, poll_interval_us, agent_name, ucx_tls"
 DEFAULT_TIMEOUT = 30.0
 GRACE_S = 1.0  # how long past its deadline a request may take to be cancelled and released
+SPIN_S = 0.001  # a READ is polled flat out this long, then every poll_interval_us
 _names = itertools.count()
 
 
@@ -81,6 +82,9 @@ class NixlEngine(TransferEngine):
     - ``progress_thread``: run the agent's progress thread (default: on for ``prefill``, which
       is read from, off for ``decode``, which polls its own requests);
     - ``progress_delay_us``: the pause of that thread between rounds (0 spins a core);
+    - ``poll_interval_us``: how often a READ still in progress after its first millisecond is
+      polled (0: flat out; the poll is the reading side's progress, and on few cores a
+      spinning reader takes the CPU the kernel's TCP work and the peer need);
     - ``agent_name``: this agent's name (default unique per process and engine);
     - ``ucx_tls``: sets ``UCX_TLS`` (e.g. ``"tcp"`` to keep two processes of one host off
       ``cma``); process-wide, read by UCX when the first agent starts.
@@ -107,6 +111,7 @@ class NixlEngine(TransferEngine):
         backend: str = "UCX",
         progress_thread: bool | None = None,
         progress_delay_us: int = 100,
+        poll_interval_us: int = 100,
         agent_name: str | None = None,
         ucx_tls: str | None = None,
         **unknown: object,
@@ -121,8 +126,9 @@ class NixlEngine(TransferEngine):
             progress_thread = role == "prefill"
         if not isinstance(progress_thread, bool):
             raise ConfigError(f"progress_thread must be true or false, got {progress_thread!r}")
-        if type(progress_delay_us) is not int or progress_delay_us < 0:
-            raise ConfigError(f"progress_delay_us must be an integer >= 0, got {progress_delay_us!r}")
+        for opt, value in (("progress_delay_us", progress_delay_us), ("poll_interval_us", poll_interval_us)):
+            if type(value) is not int or value < 0:
+                raise ConfigError(f"{opt} must be an integer >= 0, got {value!r}")
         for opt, value in (("backend", backend), ("agent_name", agent_name), ("ucx_tls", ucx_tls)):
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"{opt} must be a non-empty string, got {value!r}")
@@ -135,6 +141,7 @@ class NixlEngine(TransferEngine):
         self.role = role
         self.timeout = float(timeout)
         self.progress_thread = progress_thread
+        self.poll_sleep_s = poll_interval_us / 1e6
         self.agent_name = agent_name or f"rd2h-{role}-{socket.gethostname()}-{os.getpid()}-{next(_names)}"
         self._nx: ModuleType = _native.import_nixl()._bindings
         self._lock = threading.Lock()
@@ -275,7 +282,10 @@ class NixlEngine(TransferEngine):
         )  # fmt: skip
         try:
             status = agent.postXferReq(req, b"")
-            while status == nx.NIXL_IN_PROG and time.monotonic() < deadline:
+            spin_until = time.monotonic() + SPIN_S
+            while status == nx.NIXL_IN_PROG and (now := time.monotonic()) < deadline:
+                if now > spin_until:
+                    time.sleep(self.poll_sleep_s)
                 status = agent.getXferStatus(req)
         except BaseException:
             self._release(session, req)

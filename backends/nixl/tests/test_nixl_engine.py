@@ -26,6 +26,18 @@ from rd2h_nixl import NixlEngine, _metadata, _native
 TCP = {"UCX_TLS": "tcp,self"}  # keeps two processes of one host off cma, as on two hosts
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP, then wait until the kernel shows the process stopped (kill() returns earlier,
+    and a read issued in between would still be served)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def test_published_under_its_entry_point() -> None:
     assert engine_class("nixl") is NixlEngine
 
@@ -37,6 +49,7 @@ def test_published_under_its_entry_point() -> None:
         ({"role": "decode", "timeout": -1}, "timeout"),
         ({"role": "decode", "progress_thread": "yes"}, "progress_thread"),
         ({"role": "decode", "progress_delay_us": -5}, "progress_delay_us"),
+        ({"role": "decode", "poll_interval_us": 1.5}, "poll_interval_us"),
         ({"role": "decode", "agent_name": ""}, "agent_name"),
         ({"role": "decode", "backend": "NOPE"}, "NOPE"),
         ({"role": "decode", "threads": 2}, "threads"),
@@ -154,12 +167,15 @@ def test_tcp_stopped_peer_times_out_and_a_resumed_one_is_read_again(
     session = engine.connect(tcp_peer.metadata)
     engine.read_batch(session, *_whole(dest, tcp_peer))
     assert np.array_equal(dest, tcp_peer.expected(0))
-    os.kill(tcp_peer.pid, signal.SIGSTOP)
+    _stop(tcp_peer.pid)
     try:
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         with pytest.raises(TransferTimeout, match="in progress"):
             engine.read_batch(session, *_whole(dest, tcp_peer))
-        assert time.monotonic() - start < engine.timeout + 2
+        waited = time.monotonic() - start
+        assert waited < engine.timeout + 2
+        # polled every poll_interval_us after the first millisecond, not flat out for 3 s
+        assert time.process_time() - cpu < waited / 3
     finally:
         os.kill(tcp_peer.pid, signal.SIGCONT)
     dest[:] = 0
