@@ -1,6 +1,8 @@
 # The two commands a new machine needs:  make demo   and   make test
 # Both set up .venv first (idempotent): rd2h, its default backends, the memfabric backend with
-# the real memfabric-hybrid wheel and its CPU test kit, torch (CPU) and the test tools.
+# the real memfabric-hybrid wheel and its CPU test kit, the mooncake and nixl backends with their
+# wheels (nixl-cu12 declares torch: the CPU torch goes in first), torch (CPU) and the test tools.
+# Debian packages (mooncake's libibverbs1/librdmacm1, iproute2, iperf3) come from .ci/run.
 
 PYTHON ?= python3
 VENV   ?= .venv

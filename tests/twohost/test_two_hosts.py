@@ -188,3 +188,12 @@ def test_operator_reproduces_it_with_rd2h_demo(hosts: TwoHosts, env: None) -> No
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["verified"] and result["engine"] == "mooncake" and result["bytes"] > 0
+
+
+def test_each_side_gets_its_own_engine_options_over_the_shared_ones() -> None:
+    config = DemoConfig(
+        engine_options={"timeout": 5, "hostname": "10.0.0.9"},
+        prefill_engine_options={"hostname": "10.231.9.1"}, decode_engine_options={"extra": 1},
+    )  # fmt: skip
+    assert config.options_for("prefill") == {"timeout": 5, "hostname": "10.231.9.1"}
+    assert config.options_for("decode") == {"timeout": 5, "hostname": "10.0.0.9", "extra": 1}
