@@ -183,7 +183,13 @@ class Listener(abc.ABC):
 
     @abc.abstractmethod
     def send(self, peer: bytes, payload: bytes) -> None:
-        """Send one payload to a peer that spoke to us."""
+        """Send one payload to a peer that spoke to us. Must not block for long: the Decode
+        loop sends every reply; a peer that does not read loses its replies, not others'."""
+
+    def peer_key(self, peer: bytes) -> str | None:
+        """The key ``peer`` proved it holds (a CURVE public key, Z85), or None when the
+        channel does not authenticate peers. Decode binds requests to it (``expect(prefill=)``)."""
+        return None
 
     def close(self) -> None:
         """Unbind. Idempotent."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import ClassVar
@@ -34,9 +35,17 @@ class ZmqChannel(ControlChannel):
         How long a send may wait when ``high_water_mark`` frames are already queued for a
         peer that does not drain them; then ``ChannelError``. A send never blocks forever.
     ``high_water_mark`` (1000)
-        Frames queued per connection in each direction.
+        Frames queued per connection in each direction (a listener may queue fewer, below).
+    ``max_queued_bytes`` (256 MiB)
+        Memory one peer may fill in a listener's inbound queue: the listener queues at most
+        ``max_queued_bytes // max_frame_bytes`` frames per peer (at least 1); the peer's own
+        queue holds the rest, so a flooding peer pays for its backlog itself.
+    ``allow_insecure`` (False)
+        Without CURVE, anyone who reaches a listener is a full Prefill peer, so ``listen``
+        refuses any address but loopback (``127.0.0.0/8``, ``::1``, ``localhost``), ``ipc://``
+        and ``inproc://`` with ``ConfigError``. ``True`` allows it (a private link you trust).
     ``curve_secret_key``
-        This process's certificate, the ``*.key_secret`` file written by
+        This process's own certificate (Decode: the server's; Prefill: a client's), the ``*.key_secret`` file written by
         ``zmq.auth.create_certificates``. Giving it turns CurveZMQ on: traffic is encrypted
         and listeners accept only authorized clients.
     ``curve_authorized_keys``
@@ -49,10 +58,14 @@ class ZmqChannel(ControlChannel):
     IPv6 literal such as ``tcp://[::1]:5600`` turns IPv6 on), ``ipc:///path``, and
     ``inproc://name`` between the listeners and dialers of one channel.
 
-    A deployment usually makes one server certificate shared by every Decode process and one
-    client certificate per Prefill host (or one for all), and copies the client ``*.key``
-    files into the Decode's authorized directory. A client whose key is not authorized, or
-    who speaks without CURVE, never gets a frame delivered.
+    Keys are per role: one server certificate for the Decode listeners and one client
+    certificate per Prefill (or per Prefill host); the client ``*.key`` files go into the
+    Decode's authorized directory. A listener whose own key is authorized as a client, or a
+    dialer whose key is the server's, is refused (``ConfigError``): one certificate for both
+    roles would let a Decode key announce layers. A client whose key is not authorized, or
+    who speaks without CURVE, never gets a frame delivered. With CURVE, the peer identity a
+    listener returns starts with the client's public key (``peer_key``): another key that
+    takes over a Prefill's routing id is another peer, with none of its state.
 
     Listeners and dialers of one channel share one ``zmq.Context`` (one I/O thread, and the
     ZAP authenticator thread when CURVE is on). It is made by the first of them and
@@ -67,6 +80,8 @@ class ZmqChannel(ControlChannel):
         max_frame_bytes: int = 64 * MiB,
         send_timeout: float = 5.0,
         high_water_mark: int = 1000,
+        max_queued_bytes: int = 256 * MiB,
+        allow_insecure: bool = False,
         curve_secret_key: KeyPath | None = None,
         curve_authorized_keys: KeyPath | None = None,
         curve_server_key: KeyPath | None = None,
@@ -75,7 +90,8 @@ class ZmqChannel(ControlChannel):
         if unknown:
             raise ConfigError(
                 f"unknown zmq channel option(s): {', '.join(sorted(unknown))}; known: max_frame_bytes, "
-                "send_timeout, high_water_mark, curve_secret_key, curve_authorized_keys, curve_server_key"
+                "send_timeout, high_water_mark, max_queued_bytes, allow_insecure, curve_secret_key, "
+                "curve_authorized_keys, curve_server_key"
             )
         if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int) or max_frame_bytes <= 0:
             raise ConfigError(f"max_frame_bytes must be a positive int, got {max_frame_bytes!r}")
@@ -84,8 +100,16 @@ class ZmqChannel(ControlChannel):
         if isinstance(high_water_mark, bool) or not isinstance(high_water_mark, int) or high_water_mark <= 0:
             # 0 would mean "no limit" to libzmq: unbounded memory for a dead peer.
             raise ConfigError(f"high_water_mark must be a positive int, got {high_water_mark!r}")
+        if isinstance(max_queued_bytes, bool) or not isinstance(max_queued_bytes, int) or max_queued_bytes <= 0:
+            raise ConfigError(f"max_queued_bytes must be a positive int, got {max_queued_bytes!r}")
+        if not isinstance(allow_insecure, bool):
+            raise ConfigError(f"allow_insecure must be True or False, got {allow_insecure!r}")
         curve = _load_curve(curve_secret_key, curve_authorized_keys, curve_server_key)
-        self._settings = Settings(max_frame_bytes, max(1, round(send_timeout * 1000)), high_water_mark, curve)
+        self._allow_insecure = allow_insecure
+        receive_hwm = max(1, min(high_water_mark, max_queued_bytes // max_frame_bytes))
+        self._settings = Settings(
+            max_frame_bytes, max(1, round(send_timeout * 1000)), high_water_mark, curve, receive_hwm
+        )
         self._context = SharedContext(curve.authorized_dir if curve else None)
 
     @classmethod
@@ -102,10 +126,19 @@ class ZmqChannel(ControlChannel):
     def listen(self, address: str) -> ZmqListener:
         """Bind a ROUTER to ``address`` now (``tcp://host:0`` picks a free port; see
         ``.address``). Raises ``PortInUseError`` if taken, ``ChannelError`` for other bind
-        failures, ``ConfigError`` when CURVE is on without ``curve_authorized_keys``."""
+        failures, ``ConfigError`` when CURVE is on without ``curve_authorized_keys``, or off
+        for an address other than loopback unless ``allow_insecure``."""
         curve = self._settings.curve
         if curve is not None and curve.authorized_dir is None:
             raise ConfigError("curve_authorized_keys is needed to listen with CURVE on")
+        if curve is None and not self._allow_insecure and not is_local_address(address):
+            raise ConfigError(
+                f"refusing to listen on {address} without CURVE: anyone who reaches it could announce "
+                "layers and make this Decode read. Give the channel curve_secret_key and "
+                "curve_authorized_keys (see docs/security.md), bind a loopback address, or pass the "
+                'channel option allow_insecure=True (e.g. channel_options={"allow_insecure": True}) '
+                "for a network you trust"
+            )
         return ZmqListener(self._settings, self._context, address)
 
     def dialer(self) -> ZmqDialer:
@@ -115,6 +148,25 @@ class ZmqChannel(ControlChannel):
         if curve is not None and curve.server_public is None:
             raise ConfigError("curve_server_key is needed to dial with CURVE on")
         return ZmqDialer(self._settings, self._context)
+
+
+_NETWORK_SCHEMES = frozenset({"tcp", "udp", "pgm", "epgm", "norm", "ws", "wss", "tipc", "vmci"})
+
+
+def is_local_address(address: str) -> bool:
+    """Whether ``address`` is reachable from this host only: loopback TCP, ipc, inproc."""
+    scheme, _, rest = address.partition("://")
+    if scheme not in _NETWORK_SCHEMES:  # ipc, inproc (or nothing libzmq binds: it refuses)
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name, a host name: not known to be loopback
+        return False
 
 
 def _load_curve(
@@ -137,8 +189,19 @@ def _load_curve(
         directory = Path(authorized_dir)
         if not directory.is_dir():
             raise ConfigError(f"curve_authorized_keys {str(directory)!r} is not a directory")
-        if not zmq.auth.load_certificates(directory):
+        authorized = zmq.auth.load_certificates(directory)
+        if not authorized:
             raise ConfigError(f"curve_authorized_keys {str(directory)!r} holds no *.key public certificate")
+        if public in authorized:
+            raise ConfigError(
+                f"curve_secret_key's public key is authorized as a client in {str(directory)!r}: give "
+                "Decode (the server) and each Prefill (a client) their own certificates"
+            )
+    if server_public is not None and server_public == public:
+        raise ConfigError(
+            "curve_secret_key is the server's own certificate: a Prefill dials with a client "
+            "certificate of its own, never the Decode's"
+        )
     return CurveKeys(public, secret, server_public, directory)
 
 

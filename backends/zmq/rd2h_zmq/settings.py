@@ -30,3 +30,6 @@ class Settings:
     send_timeout_ms: int
     high_water_mark: int
     curve: CurveKeys | None
+    # frames a listener queues from one peer: high_water_mark, lowered so that this many
+    # frames of max_frame_bytes stay under max_queued_bytes (libzmq counts frames, not bytes)
+    receive_high_water_mark: int = 1000

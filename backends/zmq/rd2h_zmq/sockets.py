@@ -5,6 +5,12 @@ a sender puts one payload frame on the wire; a listener replies ``(identity, b""
 receivers skip empty delimiter frames. A message with more than one non-empty frame is
 not ours and is dropped with a warning.
 
+Identity: without CURVE a listener names a peer by its routing id. With CURVE it names it
+by the client's public key (Z85, 40 bytes) followed by the routing id, so a peer holding
+another key that takes over a routing id (ROUTER_HANDOVER) is another peer to Decode.
+Handover stays on: with it off, libzmq refuses a reconnect that races the old connection's
+close and eats its first frame (measured: one reconnect in three lost its mf_meta).
+
 Threads: zmq sockets are not thread-safe. A listener or dialer belongs to the one thread
 that runs its loop; ``close()`` it from that thread, or from another once that loop has
 stopped. The shared context itself is thread-safe.
@@ -41,6 +47,7 @@ log = logging.getLogger("rd2h_zmq")
 # box header and MAC; leave room for it so a payload of exactly max_frame_bytes passes.
 _WIRE_OVERHEAD = 256
 _UNBIND_WAIT = 1.0  # seconds close() waits for libzmq to release a listening port
+_KEY_BYTES = 40  # a Z85 CURVE public key, as libzmq's ZAP handler names the peer (User-Id)
 
 
 class SharedContext:
@@ -113,12 +120,12 @@ def _payload(frames: Sequence[bytes], source: object) -> bytes | None:
     return None
 
 
-def _common_options(sock: zmq.Socket[bytes], settings: Settings, address: str) -> None:
+def _common_options(sock: zmq.Socket[bytes], settings: Settings, address: str, receive_hwm: int | None = None) -> None:
     if "[" in address:
         sock.setsockopt(zmq.IPV6, 1)  # a bracketed IPv6 literal; plain IPv4 stays IPv4-only
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, settings.high_water_mark)
-    sock.setsockopt(zmq.RCVHWM, settings.high_water_mark)
+    sock.setsockopt(zmq.RCVHWM, settings.high_water_mark if receive_hwm is None else receive_hwm)
     sock.setsockopt(zmq.SNDTIMEO, settings.send_timeout_ms)
     sock.setsockopt(zmq.MAXMSGSIZE, settings.max_frame_bytes + _WIRE_OVERHEAD)
 
@@ -129,17 +136,24 @@ def _deadline_ms(deadline: float) -> int:
 
 class ZmqListener(Listener):
     """A ROUTER bound at construction. ``recv`` yields ``(identity, payload)``; ``send``
-    replies ``(identity, b"", payload)`` and raises ``ChannelError`` if the peer is gone."""
+    replies ``(identity, b"", payload)`` and raises ``ChannelError`` if the peer is gone.
+
+    ``send`` never blocks: each peer has its own queue of ``high_water_mark`` frames, and a
+    reply to a peer whose queue is full (it does not read) is dropped, counted in
+    ``dropped`` and raised as ``ChannelError``; other peers are not slowed. A peer may queue
+    ``receive_high_water_mark`` frames here (bounded bytes, see ``max_queued_bytes``)."""
 
     def __init__(self, settings: Settings, shared: SharedContext, address: str) -> None:
         self._settings = settings
         self._shared = shared
         self._closed = False
+        self.dropped = 0  # replies dropped because the peer's queue was full
         curve = settings.curve
+        self._curve = curve is not None
         context = shared.acquire(authenticate=curve is not None)
         sock = context.socket(zmq.ROUTER)
         try:
-            _common_options(sock, settings, address)
+            _common_options(sock, settings, address, settings.receive_high_water_mark)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: EHOSTUNREACH, not silence
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting dialer takes its identity back
             if curve is not None:
@@ -172,24 +186,40 @@ class ZmqListener(Listener):
         while True:
             if self._poller.poll(_deadline_ms(deadline)):
                 try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     continue
-                payload = _payload(frames[1:], frames[0])
-                if payload is not None:
-                    return frames[0], payload
+                routing_id = frames[0].bytes
+                payload = _payload([f.bytes for f in frames[1:]], routing_id)
+                if payload is None:
+                    continue
+                if not self._curve:
+                    return routing_id, payload
+                key = frames[-1].get("User-Id")  # set by the ZAP handler: the client's public key
+                if not isinstance(key, str) or len(key) != _KEY_BYTES:
+                    log.warning("dropped a frame from %r without a CURVE key", routing_id)
+                    continue
+                return key.encode("ascii") + routing_id, payload
             if time.monotonic() >= deadline:
                 return None
+
+    def peer_key(self, peer: bytes) -> str | None:
+        """The CURVE public key (Z85) the peer authenticated with; None without CURVE."""
+        return peer[:_KEY_BYTES].decode("ascii") if self._curve else None
 
     def send(self, peer: bytes, payload: bytes) -> None:
         self._check_open()
         _check_frame(payload, self._settings.max_frame_bytes)
+        routing_id = peer[_KEY_BYTES:] if self._curve else peer
         try:
-            self._sock.send_multipart([peer, b"", payload], copy=False)
+            # Never block: this is Decode's only loop thread, and one peer that does not read
+            # must not delay the replies to every other peer (issue 9 D2).
+            self._sock.send_multipart([routing_id, b"", payload], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again as exc:
+            self.dropped += 1
             raise ChannelError(
-                f"peer {peer!r} on {self._address} has {self._settings.high_water_mark} frames queued "
-                f"and took none in {self._settings.send_timeout_ms} ms"
+                f"reply to peer {peer!r} on {self._address} dropped: it has {self._settings.high_water_mark} "
+                f"frames queued and reads none ({self.dropped} dropped so far)"
             ) from exc
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
