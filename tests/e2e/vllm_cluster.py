@@ -1,0 +1,189 @@
+"""Processes for the end-to-end tests: vLLM OpenAI servers and ``rd2h proxy``.
+
+Each process runs in its own session (process group) so that stopping it also stops what
+it spawned (vLLM's engine core); readiness is a bounded poll of ``/health``, failing at
+once if the process exits. Nothing here sleeps to synchronise: it waits on HTTP answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "OMP_NUM_THREADS": "1",
+}
+
+# chunked prefill: a prompt longer than 128 tokens gets its blocks over several steps
+ENGINE_ARGS = [
+    "--enforce-eager", "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",
+    "--max-num-batched-tokens", "128", "--max-num-seqs", "8", "--seed", "0", "--served-model-name", "tiny",
+]
+
+
+def free_base_port(count: int) -> int:
+    """A base port with ``count`` consecutive free loopback ports above it."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - count)
+        if all(_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port range found")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Process:
+    """One child process with its log file; ``stop`` kills its whole process group."""
+
+    def __init__(self, name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> None:
+        self.name, self.log = name, log
+        self._exited = threading.Event()  # never set: a bounded wait's tick
+        self._file = open(log, "wb")
+        self.proc = subprocess.Popen(
+            list(argv), stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def wait_healthy(self, url: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+                try:
+                    if client.get(url + "/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                try:  # a bounded wait that ends early if the process dies
+                    self.proc.wait(0.25)
+                except subprocess.TimeoutExpired:
+                    pass
+        raise RuntimeError(f"{self.name} not healthy after {timeout:g} s:\n{self.tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill(signal.SIGKILL)  # whatever the group still holds (engine core)
+        self.proc.wait(15)
+        self._file.close()
+        # the engine core must be gone before another engine starts: it holds memory and cores
+        deadline = time.monotonic() + 30
+        while _group_alive(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: process group {self.proc.pid} survived SIGKILL")
+            self._exited.wait(0.05)
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Cluster:
+    """A Prefill engine, a Decode engine and ``rd2h proxy``; engines restart on demand
+    with other connector settings (``ensure``)."""
+
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.model, self.workdir = model, workdir
+        ports = free_base_port(3)
+        self.ports = {"prefill": ports, "decode": ports + 1, "proxy": ports + 2}
+        self.kv_port = free_base_port(2)
+        self.procs: dict[str, Process] = {}
+        self.extra: dict[str, dict[str, Any]] = {}
+        self.starts = 0
+
+    def url(self, role: str) -> str:
+        return f"http://127.0.0.1:{self.ports[role]}"
+
+    def _engine(self, role: str, extra: dict[str, Any]) -> Process:
+        config = {
+            "kv_connector": "RD2HConnector",  # found through the entry point alone
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_connector_extra_config": {"kv_port": self.kv_port, **extra},
+        }
+        self.starts += 1
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.ports[role]), *ENGINE_ARGS,
+            "--kv-transfer-config", json.dumps(config),
+        ]
+        env = {**ENGINE_ENV, "VLLM_CACHE_ROOT": str(self.workdir / "cache")}
+        return Process(role, argv, self.workdir / f"{role}-{self.starts}.log", env)
+
+    def ensure(self, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None) -> None:
+        """Prefill and Decode running with these extra configs (restarted if they differ)."""
+        wanted = {"prefill": prefill or {}, "decode": decode or {}}
+        started = []
+        for role, extra in wanted.items():
+            proc = self.procs.get(role)
+            if proc is not None and self.extra.get(role) == extra and proc.proc.poll() is None:
+                continue
+            if proc is not None:
+                proc.stop()
+            self.procs[role] = self._engine(role, extra)
+            self.extra[role] = extra
+            started.append(role)
+        for role in started:
+            self.procs[role].wait_healthy(self.url(role), timeout=240)
+        if "proxy" not in self.procs:
+            argv = [
+                sys.executable, "-m", "rd2h.cli.main", "proxy", "--port", str(self.ports["proxy"]),
+                "--prefill", self.url("prefill"), "--decode", self.url("decode"), "--rendezvous-timeout", "60",
+            ]
+            self.procs["proxy"] = Process("proxy", argv, self.workdir / "proxy.log")
+            self.procs["proxy"].wait_healthy(self.url("proxy"), timeout=30)
+
+    def restart(self, role: str) -> None:
+        """Stop ``role`` and start it again with the same settings."""
+        self.procs[role].stop()
+        self.procs[role] = self._engine(role, self.extra[role])
+        self.procs[role].wait_healthy(self.url(role), timeout=240)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.stop()
+        self.procs.clear()
