@@ -67,14 +67,15 @@ def main() -> int:
     if role == "prefill":
         src = {n: tensors(i, blocks, True) for i, n in enumerate(names)}
         side: Any = KVSource(src, block_size=conf["block_size"], engine=conf["engine"], engine_options=options,
-                             reply_timeout=conf["reply_timeout"])
+                             reply_timeout=conf["reply_timeout"], channel_options=conf["channel_options"])
         from rd2h.source import DecodeEndpoint
 
         endpoint = DecodeEndpoint(conf["decode_host"], conf["kv_port"], 1)
     else:
         dst = {n: tensors(i, blocks, False) for i, n in enumerate(names)}
         side = KVSink(dst, host=conf["decode_host"], kv_port=conf["kv_port"], engine=conf["engine"],
-                      engine_options=options, request_timeout=conf["request_timeout"])
+                      engine_options=options, request_timeout=conf["request_timeout"],
+                      channel_options=conf["channel_options"])
     with side:
         say({"ready": role})
         for line in sys.stdin:

@@ -45,6 +45,8 @@ ENGINES: dict[str, Any] = {
     "nixl": lambda h: ({"timeout": 3.0, "ucx_tls": "tcp"}, {}, {}),
 }
 ENV = {"UCX_NET_DEVICES": DEVICE}
+# The zmq channel refuses a listener off loopback without CURVE; these namespaces are ours alone.
+CHANNEL = {"allow_insecure": True}
 REPLY_TIMEOUT = 8.0  # Prefill fails a request whose Decode has not replied by then
 DECODE_BOUND = 8.0  # Decode must fail a read over a cut link by then (engine timeouts + a probe)
 
@@ -74,6 +76,7 @@ def test_sfa_workload_across_hosts(hosts: TwoHosts, env: None, engine: str, tp: 
         prefill_tp=tp[0], decode_tp=tp[1], layers=8, requests=4, max_tokens=1024, engine=engine,
         engine_options=both, prefill_engine_options=prefill, decode_engine_options=decode,
         host=hosts.decode_addr, prefill_netns=hosts.prefill, decode_netns=hosts.decode, timeout=60,
+        channel_options=CHANNEL,
     )  # fmt: skip
     result = run_demo(config)
     assert result.verified, result.problems[:5]
@@ -130,7 +133,8 @@ def test_cut_link_fails_cleanly_and_a_restored_link_serves(hosts: TwoHosts, engi
     both, prefill_opts, decode_opts = ENGINES[engine](hosts)
     layers, blocks, per = 12, 1024, 320  # blocks per request: 12 x 320 x 19.5 KiB = 73 MiB
     conf = {"layers": layers, "blocks": blocks, "block_size": 16, "engine": engine, "kv_port": 5800,
-            "decode_host": hosts.decode_addr, "reply_timeout": REPLY_TIMEOUT, "request_timeout": 60.0}
+            "decode_host": hosts.decode_addr, "reply_timeout": REPLY_TIMEOUT, "request_timeout": 60.0,
+            "channel_options": CHANNEL}
     decode = Side(hosts, "decode", {**conf, "engine_options": {**both, **decode_opts}})
     prefill = None
     try:
@@ -181,6 +185,7 @@ def test_operator_reproduces_it_with_rd2h_demo(hosts: TwoHosts, env: None) -> No
         str(Path(sys.executable).with_name("rd2h")), "demo", "--json", "--engine", "mooncake",
         "--prefill-tp", "2", "--decode-tp", "1", "--layers", "4", "--requests", "2", "--max-tokens", "512",
         "--host", hosts.decode_addr, "--prefill-netns", hosts.prefill, "--decode-netns", hosts.decode,
+        "--channel-option", "allow_insecure=true",
         "--engine-option", "timeout=10", "--engine-option", "transfer_timeout_s=3", "--engine-option", "progress_timeout_s=2",
         "--prefill-option", f"hostname={hosts.prefill_addr}", "--decode-option", f"hostname={hosts.decode_addr}",
     ]  # fmt: skip
