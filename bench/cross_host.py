@@ -1,6 +1,6 @@
 """Cross-host engines across one veth link, next to iperf3 over the same link, in one run (root).
 
-    python bench/cross_host.py [--engines mooncake,nixl --layers 16 --requests 8 --max-tokens 4096
+    python bench/cross_host.py [--engines mooncake,nixl --layers 16 --requests 8 --max-tokens 4096 --block-size 64
                                 --repeat 3 --json out.json]
 
 Two network namespaces joined by a veth pair (tests/twohost/netns.py) stand for two hosts.
