@@ -178,6 +178,7 @@ class _Request:
     nbytes: int = 0
     reading: bool = False  # a read may be writing its destinations now
     serial: int = 0  # tells this request apart from an earlier one of the same id
+    expected_peer: str | None = None  # the only Prefill identity that may announce it
 
     def apply(self, event: _Event, error: RD2HError | None = None) -> None:
         new = step(_TRANSITIONS, self.state, event, f"request {self.ext_id!r}")
@@ -203,6 +204,7 @@ class _Peer:
     state: _PeerState
     p_session: str
     error: RD2HError | None = None
+    proven: frozenset[str] = frozenset()  # identities it proved (engine session id, CURVE key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +269,7 @@ class ReceiveTracker:
         self._indexer_taken = np.zeros(self._indexer_blocks or 0, dtype=np.bool_)
         self._requests: dict[str, _Request] = {}
         self._peers: dict[bytes, _Peer] = {}
-        self._early: OrderedDict[str, float] = OrderedDict()
+        self._early: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
         self._serials = 0
         self._book = OutcomeBook()
         self.malformed = 0  # messages refused before any request could be named
@@ -283,10 +285,13 @@ class ReceiveTracker:
         first_block: int = 0,
         indexer_first_block: int | None = None,
         deadline: float | None = None,
+        expected_peer: str | None = None,
     ) -> None:
         """``ext_id`` lands in ``destinations``; Prefill sends positions ``first_block`` on
         (a cached prefix is not sent). ``deadline`` is seconds from ``now`` (default: the
-        tracker's ``request_timeout``).
+        tracker's ``request_timeout``). ``expected_peer``: only a peer that proved this
+        identity (``peer_admitted``) may announce it; another peer's readiness naming it is
+        refused and leaves it untouched (None: any admitted peer).
 
         Raises DuplicateRequestError if ``ext_id`` is live or its outcome is not collected
         yet, DestinationError for a block repeated, out of range or held by another live
@@ -309,11 +314,13 @@ class ReceiveTracker:
             Coverage((first_block, len(destinations.main)), (index_first, len(destinations.indexer))),
             started=now,
             deadline=None if timeout is None else now + timeout,
+            expected_peer=expected_peer,
         )
         self._serials += 1
         request.serial = self._serials
         self._requests[ext_id] = request
-        if self._early.pop(ext_id, None) is not None:
+        early = self._early.pop(ext_id, None)
+        if early is not None and self._may_announce(request, early[1]):
             self._fail(request, StateError(
                 f"request {ext_id!r}: Prefill announced it before Decode expected it (a rendezvous "
                 "race); it was refused then and will not be sent again"
@@ -346,7 +353,7 @@ class ReceiveTracker:
                 f"request {request.ext_id!r}: not complete {waited:.1f}s after it was expected "
                 f"({request.state.value}; contributors final: {sorted(request.finals)})"
             ), now)
-        while self._early and now - next(iter(self._early.values())) > _EARLY_SECONDS:
+        while self._early and now - next(iter(self._early.values()))[0] > _EARLY_SECONDS:
             self._early.popitem(last=False)
         return [r.ext_id for r in late]
 
@@ -396,9 +403,11 @@ class ReceiveTracker:
 
     # -- remote input -------------------------------------------------------------------
 
-    def peer_admitted(self, identity: bytes, p_session: str) -> None:
-        """The peer's mf_meta was accepted (a repeated one replaces the earlier)."""
-        self._peers[identity] = _Peer(_PeerState.ADMITTED, p_session)
+    def peer_admitted(self, identity: bytes, p_session: str, proven: Iterable[str] = ()) -> None:
+        """The peer's mf_meta was accepted (a repeated one replaces the earlier). ``proven``:
+        the identities it proved (its engine session id, its CURVE key), which requests
+        expected from a given Prefill are matched against."""
+        self._peers[identity] = _Peer(_PeerState.ADMITTED, p_session, proven=frozenset(proven))
 
     def peer_refused(self, identity: bytes, p_session: str, error: RD2HError) -> None:
         """The peer's mf_meta was refused: its readiness fails with ``error`` from now on."""
@@ -433,14 +442,20 @@ class ReceiveTracker:
             if peer.state is _PeerState.REFUSED:
                 refused[ext_id] = peer.error or ProtocolError("mf_meta refused")
                 request = self._requests.get(ext_id)
-                if request is not None:  # fail it here too: both sides agree
-                    self._fail(request, refused[ext_id], now)
+                if request is not None and self._may_announce(request, peer.proven):
+                    self._fail(request, refused[ext_id], now)  # fail it here too: both sides agree
                 continue
-            refused_why = self._why_unreadable(ext_id, now)
+            refused_why = self._why_unreadable(ext_id, now, peer.proven)
             if refused_why is not None:
                 refused[ext_id] = refused_why
                 continue
             request = self._requests[ext_id]
+            if not self._may_announce(request, peer.proven):  # not its to announce: untouched
+                refused[ext_id] = ProtocolError(
+                    f"request {ext_id!r} is expected from Prefill {request.expected_peer!r:.80}; "
+                    f"this peer ({peer.p_session!r:.80}) may not announce it"
+                )
+                continue
             request.peers.add(identity)
             request.reading = True
             readable[ext_id] = request.destinations
@@ -505,7 +520,11 @@ class ReceiveTracker:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _why_unreadable(self, ext_id: str, now: float) -> RD2HError | None:
+    @staticmethod
+    def _may_announce(request: _Request, proven: frozenset[str]) -> bool:
+        return request.expected_peer is None or request.expected_peer in proven
+
+    def _why_unreadable(self, ext_id: str, now: float, proven: frozenset[str] = frozenset()) -> RD2HError | None:
         request = self._requests.get(ext_id)
         if request is not None:
             if request.terminal:
@@ -514,7 +533,9 @@ class ReceiveTracker:
         if ext_id in self._book:
             outcome = self._book.peek(ext_id)
             return StateError(f"request {ext_id!r} already finished on Decode ({outcome.state.value}); not read again")
-        self._early[ext_id] = now
+        # who announced it: an expect bound to another Prefill ignores this early announcement
+        earlier = self._early.get(ext_id)
+        self._early[ext_id] = (now, proven if earlier is None else earlier[1] | proven)
         self._early.move_to_end(ext_id)
         while len(self._early) > _EARLY_LIMIT:
             self._early.popitem(last=False)

@@ -177,11 +177,15 @@ class Sink:
         first_block: int = 0,
         indexer_first_block: int | None = None,
         deadline: float | None = None,
+        prefill: str | None = None,
     ) -> None:
         """``ext_id`` lands in these destination blocks (in prompt order; the indexer's default
         to the main ones). Prefill sends positions ``first_block`` on (blocks before it are a
         prefix this rank has cached); ``deadline`` is seconds from now after which the request
-        fails with DeadlineExceeded (default: the sink's ``request_timeout``).
+        fails with DeadlineExceeded (default: the sink's ``request_timeout``). ``prefill``: the
+        identity of the one Prefill that may announce it, as the rendezvous names it (its
+        engine session id or its CURVE public key); another peer's readiness naming it is
+        refused and leaves it untouched (docs/security.md). None: any admitted peer.
 
         Raises DuplicateRequestError for an id that is live or not yet collected,
         DestinationError for a block repeated, out of range or held by a live request.
@@ -191,6 +195,7 @@ class Sink:
             self._tracker.expect(
                 ext_id, destinations, self._clock(),
                 first_block=first_block, indexer_first_block=indexer_first_block, deadline=deadline,
+                expected_peer=prefill,
             )
             self._changed.notify_all()  # an early readiness may have failed it at once
 
@@ -311,8 +316,12 @@ class Sink:
                 self._tracker.peer_refused(identity, meta.p_session, exc)
             return
         self._peers[identity] = _Peer(meta.p_session, layers, session, RegionSet(session.peer_regions))
+        # What the peer proved: the engine's peer id (proven by a PROVES_PEER engine, else as
+        # declared) and the channel's authenticated key, if any.
+        key = self._listener.peer_key(identity)
+        proven = [session.peer_id] if key is None else [session.peer_id, key]
         with self._changed:
-            self._tracker.peer_admitted(identity, meta.p_session)
+            self._tracker.peer_admitted(identity, meta.p_session, proven)
         self._listener.send(identity, protocol.ACK_FRAME)
 
     def _on_ready(self, identity: bytes, batch: protocol.ReadReadyBatch) -> None:

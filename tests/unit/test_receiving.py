@@ -31,6 +31,8 @@ from rd2h.receiving import Destinations, MainSplit, ReceiveState, ReceiveTracker
 LAYERS = ("l0", "l1")
 BLOCKS = 16
 PEER = b"prefill-0"
+MALLORY = b"another-prefill"  # admitted, proves another identity
+REFUSED = b"refused-prefill"  # its mf_meta was refused
 
 
 def layouts(blocks: int = BLOCKS) -> dict[str, LayerLayout]:
@@ -347,13 +349,18 @@ def test_replicated_main_gives_every_rank_every_block_once(p_tp: int, d_tp: int)
 
 
 class ReceiveMachine(RuleBasedStateMachine):
-    """Random local calls, readiness (good, bad, repeated, early, partial), read failures,
-    time and peer deaths; a model of what was really read checks every DONE."""
+    """Random local calls, readiness (good, bad, repeated, early, partial) from the expected
+    Prefill, another admitted one and a refused one, read failures, time and peer deaths; a
+    model of what was really read checks every DONE, and a request bound to its Prefill is
+    never touched by another peer (issue 9)."""
 
     @initialize(ratio=st.sampled_from([1, 2]))
     def setup(self, ratio: int) -> None:
         self.t = ReceiveTracker(layouts(8), request_timeout=50.0)
-        self.t.peer_admitted(PEER, "p")
+        self.t.peer_admitted(PEER, "p", {"alice"})
+        self.t.peer_admitted(MALLORY, "m", {"mallory"})
+        self.t.peer_refused(REFUSED, "r", IncompatiblePeerError("no"))
+        self.bound: set[str] = set()  # live requests expected from "alice" only
         self.ratio = ratio
         self.now = 0.0
         self.live: dict[str, tuple[Destinations, int]] = {}  # id -> (destinations, first block)
@@ -364,15 +371,20 @@ class ReceiveMachine(RuleBasedStateMachine):
 
     ids = st.sampled_from(["a", "b", "c", "d"])
 
-    @rule(ext_id=ids, blocks=st.lists(st.integers(0, 8), min_size=0, max_size=4), first=st.integers(0, 2), deadline=st.none() | st.floats(1, 60))
-    def expect(self, ext_id: str, blocks: list[int], first: int, deadline: float | None) -> None:
+    @rule(ext_id=ids, blocks=st.lists(st.integers(0, 8), min_size=0, max_size=4), first=st.integers(0, 2), deadline=st.none() | st.floats(1, 60), bound=st.booleans())
+    def expect(self, ext_id: str, blocks: list[int], first: int, deadline: float | None, bound: bool) -> None:
         try:
-            self.t.expect(ext_id, Destinations.of(blocks), self.now, first_block=first, deadline=deadline)
+            self.t.expect(
+                ext_id, Destinations.of(blocks), self.now, first_block=first, deadline=deadline,
+                expected_peer="alice" if bound else None,
+            )
         except (DuplicateRequestError, DestinationError, ConfigError):
             assert ext_id in self.live or ext_id in self.settled or len(set(blocks)) < len(blocks) or 8 in blocks or first > len(blocks) or self._overlaps(blocks)
             return
         assert ext_id not in self.live and ext_id not in self.settled
         self.given.add(ext_id)
+        if bound:
+            self.bound.add(ext_id)
         self.live[ext_id] = (Destinations.of(blocks), first)
         self.read[ext_id] = set()
         self._sync()
@@ -380,16 +392,22 @@ class ReceiveMachine(RuleBasedStateMachine):
     def _overlaps(self, blocks: list[int]) -> bool:
         return any(set(blocks) & set(d.main.tolist()) for d, _ in self.live.values())
 
-    @rule(data=st.data(), layer=st.sampled_from(LAYERS), member=st.integers(0, 1), final=st.booleans(), fail=st.booleans())
-    def readiness(self, data: st.DataObject, layer: str, member: int, final: bool, fail: bool) -> None:
+    @rule(data=st.data(), layer=st.sampled_from(LAYERS), member=st.integers(0, 1), final=st.booleans(), fail=st.booleans(),
+          sender=st.sampled_from([PEER, PEER, MALLORY, REFUSED]))
+    def readiness(self, data: st.DataObject, layer: str, member: int, final: bool, fail: bool, sender: bytes) -> None:
         member %= self.ratio
         chosen = data.draw(st.lists(self.ids, max_size=3, unique=True))
         reqs = [(e, data.draw(st.integers(0, 3)), data.draw(st.integers(0, 4))) for e in chosen]
         batch = readiness(layer, reqs, tuple(chosen) if final else (), member, self.ratio)
         failed = {e: TransferError("boom") for e in chosen[:1]} if fail else {}
-        admission = self.t.on_readiness(PEER, batch, self.now)
+        foreign = {e for e in chosen if e in self.bound and e in self.live and sender != PEER}
+        before = {e: self.t.state(e) for e in foreign}
+        admission = self.t.on_readiness(sender, batch, self.now)
+        assert not foreign & set(admission.readable)  # never read for another peer
         _, refused = plan_reads(batch, admission.readable, decode_rank=0, decode_tp=1)
-        replied = self.t.on_read(PEER, batch, admission, {**refused, **failed}, {}, self.now)
+        replied = self.t.on_read(sender, batch, admission, {**refused, **failed}, {}, self.now)
+        for e in foreign:  # refused in the reply, and neither poisoned nor advanced
+            assert e in replied and self.t.state(e) is before[e], (e, sender)
         for e, start, count in reqs:
             if e in admission.readable and e not in replied and e not in refused and e not in failed:
                 self.read[e] |= {(member, layer, p) for p in range(start, start + count)}
@@ -417,7 +435,7 @@ class ReceiveMachine(RuleBasedStateMachine):
     @rule()
     def peer_dies_and_returns(self) -> None:
         self.t.peer_gone(PEER, PeerGoneError("gone"), self.now)
-        self.t.peer_admitted(PEER, "p")
+        self.t.peer_admitted(PEER, "p", {"alice"})
         self._sync()
 
     @rule()
@@ -443,6 +461,7 @@ class ReceiveMachine(RuleBasedStateMachine):
             self._done_read: dict[str, set[tuple[int, str, int]]] = {}
         for ext_id in list(self.live):
             if ext_id not in self.t.live():
+                self.bound.discard(ext_id)
                 self._done_info[ext_id] = self.live.pop(ext_id)
                 self._done_read[ext_id] = self.read.pop(ext_id)
                 self.settled.add(ext_id)
