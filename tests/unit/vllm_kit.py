@@ -40,7 +40,10 @@ class Posts:
         return 200
 
 
-def make_scheduler(model: Path, role: str, *, num_blocks: int = 64, batched: int = 128, extra: dict | None = None):
+def make_scheduler(
+    model: Path, role: str, *, num_blocks: int = 64, batched: int = 128, extra: dict | None = None,
+    connector: str = "RD2HConnector",
+):
     import torch
     from vllm.config import (
         CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
@@ -60,7 +63,7 @@ def make_scheduler(model: Path, role: str, *, num_blocks: int = 64, batched: int
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched, max_model_len=512,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(kv_connector="RD2HConnector", kv_role=role,
+        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role=role,
                                             kv_connector_extra_config=extra or {}),
         device_config=DeviceConfig("cpu"),
     )
@@ -73,8 +76,8 @@ def make_scheduler(model: Path, role: str, *, num_blocks: int = 64, batched: int
     scheduler = Scheduler(config, kv_cache_config=kv_config, structured_output_manager=StructuredOutputManager(config),
                           block_size=BLOCK, log_stats=False)
     posts = Posts()
-    ours = scheduler.connector.scheduler
-    if ours._poster is not None:  # the real poster, with the metaserver replaced
+    ours = getattr(scheduler.connector, "scheduler", None)
+    if ours is not None and ours._poster is not None:  # the real poster, with the metaserver replaced
         ours._poster.close()
         ours._poster = RendezvousPoster(post=posts)
     return scheduler, posts

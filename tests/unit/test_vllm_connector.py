@@ -1,0 +1,107 @@
+"""Registration, the rendezvous poster, and the optional hooks other vLLM builds call."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_kit import make_request, make_scheduler, runner_output, write_model
+
+from rd2h.vllm.metadata import StepMetadata, WorkerReport
+from rd2h.vllm.rendezvous import RendezvousPoster, child_index, ext_id_of
+
+
+def test_registration_is_idempotent_and_the_module_path_works() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import rd2h.vllm
+    from rd2h.vllm.connector import RD2HConnector
+
+    rd2h.vllm.register()
+    rd2h.vllm.register()  # plugins load in several processes, some more than once
+    config = type("T", (), {"kv_connector": "RD2HConnector", "kv_connector_module_path": None})()
+    assert KVConnectorFactory.get_connector_class(config) is RD2HConnector
+    config.kv_connector_module_path = "rd2h.vllm"
+    assert KVConnectorFactory.get_connector_class(config) is RD2HConnector
+
+
+def test_poster_retries_transport_errors_and_counts_http_errors_as_delivered() -> None:
+    calls: list[str] = []
+    done = threading.Event()
+
+    def post(url: str, body: Any) -> int:
+        calls.append(body["ext_id"])
+        if len(calls) < 3:
+            raise ConnectionError("refused")
+        if body["ext_id"] == "b":
+            done.set()
+        return 404 if body["ext_id"] == "a" else 200
+
+    poster = RendezvousPoster(post=post, retries=5, backoff=0.001)
+    poster.submit("a", "http://m", {"ext_id": "a"})
+    poster.submit("b", "http://m", {"ext_id": "b"})
+    assert done.wait(5)
+    poster.close()
+    assert calls == ["a", "a", "a", "b"] and poster.delivered == ["a", "b"]
+
+
+def test_poster_cancel_and_close_drop_what_is_not_posted() -> None:
+    release = threading.Event()
+    calls: list[str] = []
+
+    def post(url: str, body: Any) -> int:
+        calls.append(body["ext_id"])
+        release.wait(5)
+        return 200
+
+    poster = RendezvousPoster(post=post)
+    poster.submit("a", "u", {"ext_id": "a"})
+    poster.submit("b", "u", {"ext_id": "b"})
+    poster.cancel("b")
+    poster.submit("c", "u", {"ext_id": "c"})
+    release.set()
+    poster.close()  # c may or may not have gone; b never does
+    assert "b" not in calls
+
+
+def test_child_index_of_prompt_list_children() -> None:
+    assert child_index({"children": 1}, "chatcmpl-abc-12345678") == 0
+    assert child_index({"children": 3}, "cmpl-abc-2-12345678") == 2
+    assert ext_id_of({"id": "p", "children": 3}, "cmpl-abc-1-12345678") == "p-1"
+    with pytest.raises(ValueError):
+        child_index({"children": 2}, "cmpl-abc-7-12345678")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("llama"))
+
+
+def test_first_child_of_upstream_multiconnector(model: Path) -> None:
+    """Listed first under MultiConnector, rd2h's Decode flow runs unchanged."""
+    extra = {"connectors": [{"kv_connector": "RD2HConnector", "kv_role": "kv_consumer"},
+                            {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer",
+                             "kv_connector_extra_config": {"shared_storage_path": str(model / "store")}}]}
+    from vllm.config import KVTransferConfig  # noqa: F401 - vLLM must accept the nesting
+
+    scheduler, _ = make_scheduler(model, "kv_consumer", connector="MultiConnector", extra=extra)
+    ours = scheduler.connector._connectors[0]
+    params = {"do_remote_prefill": True, "rd2h": {"id": "m", "children": 1, "metaserver": "http://x"}}
+    scheduler.add_request(make_request("cmpl-m-0-abcdef12", 70, params))
+    out = scheduler.schedule()
+    metas = out.kv_connector_metadata.metadata
+    assert isinstance(metas[0], StepMetadata) and [s.ext_id for s in metas[0].recv] == ["m-0"]
+    assert out.total_num_scheduled_tokens == 0
+    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=None))
+    ours.shutdown()
+
+
+def test_vllm_ascend_hooks(model: Path) -> None:
+    scheduler, _ = make_scheduler(model, "kv_consumer")
+    connector = scheduler.connector
+    assert connector.requires_full_blocks_on_update_after_alloc() is True
+    report = WorkerReport({"a": 1}).aggregate(WorkerReport({"a": 1, "b": 1}))
+    assert report.expected == {"a": 2, "b": 1}
+    connector.shutdown()

@@ -1,0 +1,188 @@
+"""The connector's worker side over real tensors: a Prefill worker and a Decode worker in
+one process, the local engine and zmq on loopback, fed the metadata the scheduler side
+builds. Covers both main modes' data paths (``sfa`` cannot run attention on CPU vLLM)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import free_base_port
+
+from rd2h.errors import ConfigError
+from rd2h.vllm.config import ConnectorConfig, Mode
+from rd2h.vllm.metadata import RecvSpec, SendBlocks, SendFinish, SendSpec, StepMetadata
+from rd2h.vllm.worker import RD2HWorker, split_layers
+
+BLOCKS = 16
+
+
+def dense_caches(fill: bool) -> dict[str, torch.Tensor]:
+    """CPU vLLM's layout: one [blocks, kv_heads, block_size, 2*head_size] tensor per layer."""
+    make = torch.randn if fill else torch.zeros
+    return {f"model.layers.{i}.self_attn.attn": make(BLOCKS, 2, 32, 64) for i in range(2)}
+
+
+def sfa_caches(fill: bool) -> dict[str, torch.Tensor]:
+    """MLA latent cache per layer plus the sparse indexer's own cache (another KV cache group)."""
+    make = torch.randn if fill else torch.zeros
+    caches = {}
+    for i in range(2):
+        caches[f"model.layers.{i}.self_attn.attn"] = make(BLOCKS, 32, 576)
+        caches[f"model.layers.{i}.self_attn.indexer.k_cache"] = make(BLOCKS, 32, 132)
+    return caches
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[RD2HWorker, RD2HWorker, dict, dict, str]]:
+    mode, extra = request.param
+    config = ConnectorConfig.from_extra({"kv_port": free_base_port(2), "mode": mode, "request_timeout": 30, **extra})
+    make = dense_caches if mode == "dense" else sfa_caches
+    src, dst = make(True), make(False)
+    sizes = [32] if mode == "dense" else [32, 32]
+    decode = RD2HWorker(config, consumer=True, producer=False, rank=0, tp_size=1, dp_rank=0, block_sizes=sizes)
+    prefill = RD2HWorker(config, consumer=False, producer=True, rank=0, tp_size=1, dp_rank=0, block_sizes=sizes)
+    try:
+        decode.register(dst, {n: BLOCKS for n in dst})
+        prefill.register(src, {n: BLOCKS for n in src})
+        yield prefill, decode, src, dst, f"127.0.0.1:{config.kv_port}/1"
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def run_prefill(prefill: RD2HWorker, src: dict, steps: list[StepMetadata]) -> None:
+    for meta in steps:
+        prefill.bind(meta)
+        for name, tensor in src.items():
+            prefill.save_layer(name, tensor)
+        prefill.step_done()
+
+
+def results(prefill: RD2HWorker, decode: RD2HWorker, timeout: float = 20.0) -> tuple[set, set, set]:
+    """Poll both workers as vLLM does each step, until each reported something (bounded)."""
+    sending: set[str] = set()
+    recving: set[str] = set()
+    failed: set[str] = set()
+    tick = threading.Event()
+    deadline = time.monotonic() + timeout
+    while not (sending and recving):
+        assert time.monotonic() < deadline, (sending, recving)
+        s, _, _ = prefill.transfer_results()
+        _, r, f = decode.transfer_results()
+        sending |= s
+        recving |= r
+        failed |= f
+        tick.wait(0.01)
+    return sending, recving, failed
+
+
+DENSE = [("dense", {})]
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_dense_chunks_land_in_the_destination_blocks(pair) -> None:
+    prefill, decode, src, dst, endpoint = pair
+    decode.bind(StepMetadata(recv=(RecvSpec("r-0", "d-req", ((9, 3, 12),), 0, 80),)))
+    assert decode.worker_report().expected == {"r-0": 1}  # what the scheduler waits for
+    run_prefill(prefill, src, [
+        StepMetadata(send_new=(SendSpec("r-0", "p-req", endpoint, ((0, 1),), 80, 0),), computed=(("r-0", 64),)),
+        StepMetadata(send_blocks=(SendBlocks("r-0", ((2,),)),), computed=(("r-0", 80),)),
+        StepMetadata(send_finish=(SendFinish("r-0", "p-req", False),)),
+    ])
+    assert results(prefill, decode) == ({"p-req"}, {"d-req"}, set())
+    for name in src:
+        assert torch.equal(dst[name][[9, 3, 12]], src[name][[0, 1, 2]])
+        untouched = [b for b in range(BLOCKS) if b not in (9, 3, 12)]
+        assert not dst[name][untouched].any()
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_dense_prefix_hit_pulls_only_the_tail(pair) -> None:
+    prefill, decode, src, dst, endpoint = pair
+    decode.bind(StepMetadata(recv=(RecvSpec("r-0", "d-req", ((4, 5, 6),), 2, 80),)))
+    run_prefill(prefill, src, [
+        StepMetadata(send_new=(SendSpec("r-0", "p-req", endpoint, ((7, 8, 9),), 80, 2),), computed=(("r-0", 80),)),
+        StepMetadata(send_finish=(SendFinish("r-0", "p-req", False),)),
+    ])
+    assert results(prefill, decode) == ({"p-req"}, {"d-req"}, set())
+    for name in src:
+        assert torch.equal(dst[name][6], src[name][9])
+        assert not dst[name][[4, 5]].any()  # Decode's own prefix: not written
+
+
+@pytest.mark.parametrize("pair", [("sfa", {})], indirect=True)
+def test_sfa_main_and_indexer_groups_land_separately(pair) -> None:
+    prefill, decode, src, dst, endpoint = pair
+    decode.bind(StepMetadata(recv=(RecvSpec("r-0", "d-req", ((1, 2), (14, 15)), 0, 50),)))
+    run_prefill(prefill, src, [
+        StepMetadata(send_new=(SendSpec("r-0", "p-req", endpoint, ((5, 6), (10, 11)), 50, 0),), computed=(("r-0", 50),)),
+        StepMetadata(send_finish=(SendFinish("r-0", "p-req", False),)),
+    ])
+    assert results(prefill, decode) == ({"p-req"}, {"d-req"}, set())
+    for i in range(2):
+        attn, indexer = f"model.layers.{i}.self_attn.attn", f"model.layers.{i}.self_attn.indexer.k_cache"
+        assert torch.equal(dst[attn][[1, 2]], src[attn][[5, 6]])
+        assert torch.equal(dst[indexer][[14, 15]], src[indexer][[10, 11]])
+
+
+@pytest.mark.parametrize("pair", [("dense", {"_test_corrupt": True})], indirect=True)
+def test_corruption_hook_changes_what_arrived(pair) -> None:
+    prefill, decode, src, dst, endpoint = pair
+    decode.bind(StepMetadata(recv=(RecvSpec("r-0", "d-req", ((3,),), 0, 20),)))
+    run_prefill(prefill, src, [
+        StepMetadata(send_new=(SendSpec("r-0", "p-req", endpoint, ((0,),), 20, 0),), computed=(("r-0", 20),)),
+        StepMetadata(send_finish=(SendFinish("r-0", "p-req", False),)),
+    ])
+    results(prefill, decode)
+    assert not torch.equal(dst["model.layers.0.self_attn.attn"][3], src["model.layers.0.self_attn.attn"][0])
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_decode_abort_is_reported_finished_and_failed(pair) -> None:
+    prefill, decode, src, dst, endpoint = pair
+    decode.bind(StepMetadata(recv=(RecvSpec("r-0", "d-req", ((3,),), 0, 20),)))
+    decode.bind(StepMetadata(recv_abort=("r-0",)))
+    _, recving, failed = decode.transfer_results()
+    assert recving == {"d-req"}  # vLLM frees its blocks
+    assert failed == {"d-req"}
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_prefill_abort_before_decode_replied_is_still_reported(pair) -> None:
+    prefill, decode, src, dst, endpoint = pair
+    run_prefill(prefill, src, [
+        StepMetadata(send_new=(SendSpec("r-9", "p-req", endpoint, ((0, 1),), 64, 0),), computed=(("r-9", 32),)),
+        StepMetadata(send_finish=(SendFinish("r-9", "p-req", True),)),
+    ])
+    deadline = time.monotonic() + 40
+    sending: set[str] = set()
+    while not sending:  # Decode never expected r-9: it refuses it; Prefill settles it
+        assert time.monotonic() < deadline
+        sending, _, _ = prefill.transfer_results()
+        threading.Event().wait(0.01)
+    assert sending == {"p-req"}
+
+
+def test_split_layers_skips_shared_caches_and_splits_kv_pairs() -> None:
+    owner = torch.zeros(2, BLOCKS, 32, 64)
+    layers = split_layers({"a": owner, "b": owner, "c": torch.zeros(BLOCKS, 4, 8)}, {"a": BLOCKS, "b": BLOCKS, "c": BLOCKS},
+                          Mode.DENSE)
+    assert list(layers) == ["a", "c"] and len(layers["a"].main) == 2
+    with pytest.raises(ConfigError):
+        split_layers({"x": torch.zeros(3, 5)}, {"x": BLOCKS}, Mode.DENSE)
+    with pytest.raises(ConfigError, match="indexer"):
+        split_layers({"m.indexer.k_cache": torch.zeros(BLOCKS, 4)}, {"m.indexer.k_cache": BLOCKS}, Mode.SFA)
+
+
+def test_config_refuses_unknown_keys_and_modes() -> None:
+    with pytest.raises(ConfigError, match="kv_prot"):
+        ConnectorConfig.from_extra({"kv_prot": 1})
+    with pytest.raises(ConfigError, match="mode"):
+        ConnectorConfig.from_extra({"mode": "sparse"})
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_extra({"test_corrupt": True})  # hooks only under their _test_ name
+    assert ConnectorConfig.from_extra({"_test_corrupt": True, "mode": "sfa"}).mode is Mode.SFA
