@@ -259,17 +259,22 @@ class NixlEngine(TransferEngine):
         with self._lock:
             self._check_open()
             self._active += 1
+
+        def read() -> str:
+            # counted out by the thread inside the agent, not by the caller: a caller that gave
+            # up must not let close() tear the agent down under a read still running
+            try:
+                return self._read(session, local, remote, deadline)
+            finally:
+                with self._lock:
+                    self._active -= 1
+                    self._idle.notify_all()
+
         try:
-            outcome = _native.call(
-                "read", lambda: self._read(session, local, remote, deadline), self.timeout + GRACE_S
-            )
+            outcome = _native.call("read", read, self.timeout + GRACE_S)
         except TransferTimeout as exc:
             session.broken = str(exc)
             raise
-        finally:
-            with self._lock:
-                self._active -= 1
-                self._idle.notify_all()
         if outcome:
             raise TransferTimeout(f"nixl read of {n} ranges from {session.peer_id}: {outcome}")
 
