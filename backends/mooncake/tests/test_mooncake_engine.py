@@ -16,7 +16,7 @@ import pytest
 
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
 from rd2h.interfaces import Availability, Region
-from rd2h.plugins import engine_class, load_engine
+from rd2h.plugins import engine_class, list_backends, load_engine
 from rd2h.testing.peer import PeerProcess
 from rd2h_mooncake import MooncakeEngine, _metadata, _native
 
@@ -38,6 +38,11 @@ def _stop(pid: int) -> None:
 def test_published_under_its_entry_point() -> None:
     assert engine_class("mooncake") is MooncakeEngine
 
+
+
+def test_listed_as_available_by_rd2h_backends() -> None:
+    row = next(b for b in list_backends() if (b.kind, b.name) == ("engine", "mooncake"))
+    assert row.available and row.distribution == "rd2h-mooncake", row
 
 @pytest.mark.parametrize(
     ("options", "words"),

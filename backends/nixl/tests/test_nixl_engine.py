@@ -19,7 +19,7 @@ import pytest
 
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
 from rd2h.interfaces import Region
-from rd2h.plugins import engine_class, load_engine
+from rd2h.plugins import engine_class, list_backends, load_engine
 from rd2h.testing.peer import PeerProcess
 from rd2h_nixl import NixlEngine, _metadata, _native
 
@@ -41,6 +41,11 @@ def _stop(pid: int) -> None:
 def test_published_under_its_entry_point() -> None:
     assert engine_class("nixl") is NixlEngine
 
+
+
+def test_listed_as_available_by_rd2h_backends() -> None:
+    row = next(b for b in list_backends() if (b.kind, b.name) == ("engine", "nixl"))
+    assert row.available and row.distribution == "rd2h-nixl", row
 
 @pytest.mark.parametrize(
     ("options", "words"),
