@@ -30,7 +30,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-__all__ = ["ProxyConfig", "create_app", "children_of"]
+__all__ = ["ProxyConfig", "children_of", "create_app"]
 
 log = logging.getLogger("rd2h.proxy")
 

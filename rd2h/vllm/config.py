@@ -8,7 +8,8 @@ Every key is optional::
      "request_timeout": 120.0,     # Decode: a request not pulled by then fails
      "reply_timeout": 30.0,        # Prefill: a Decode silent that long is abandoned
      "metaserver": null,           # Decode: default rendezvous URL (the proxy sends its own)
-     "metaserver_retries": 5}
+     "metaserver_retries": 5,
+     "peer_tp": null}              # the other side's TP size, checked at startup where known
 
 Unknown keys are refused, so a misspelt option is an error at startup, not a silent default.
 Keys starting with ``_test_`` are test-only hooks (see ``rd2h.vllm.worker``).
@@ -23,7 +24,7 @@ from typing import Any
 
 from rd2h.errors import ConfigError
 
-__all__ = ["Mode", "ConnectorConfig"]
+__all__ = ["ConnectorConfig", "Mode"]
 
 
 class Mode(Enum):
@@ -45,6 +46,7 @@ class ConnectorConfig:
     reply_timeout: float = 30.0
     metaserver: str | None = None
     metaserver_retries: int = 5
+    peer_tp: int | None = None
     test_corrupt: bool = False  # Decode: overwrite received blocks with noise (negative control)
     test_hold_file: str | None = None  # Prefill: touch FILE.held, then hold the first send
 

@@ -22,7 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from rd2h.vllm.config import ConnectorConfig
+from rd2h.errors import ConfigError
+from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.metadata import StepMetadata
 from rd2h.vllm.scheduler import RD2HScheduler
 from rd2h.vllm.worker import RD2HWorker
@@ -33,7 +34,9 @@ except ImportError:  # pragma: no cover - older vLLM
     SupportsHMA = object  # type: ignore[assignment,misc]
 
 try:  # vLLM 0.32: failures per request, not as a flat block set
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults,
+    )
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
@@ -51,11 +54,35 @@ def _block_sizes(vllm_config: Any, kv_cache_config: Any) -> list[int]:
     return sizes or [int(vllm_config.cache_config.block_size)]
 
 
+def _log_like_vllm() -> None:
+    """rd2h's log lines go where vLLM's go (vLLM configures only its own logger)."""
+    ours, theirs = logging.getLogger("rd2h"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
+def _check_topology(config: ConnectorConfig, tp: int, use_mla: bool) -> None:
+    """Dense mode copies vLLM's rank-local paged cache rank to rank: with GQA/MHA each rank
+    holds only its own heads, so the two sides' TP sizes must match. MLA's latent is the
+    same on every rank, so any ``p_tp % d_tp == 0`` or ``d_tp % p_tp == 0`` works."""
+    peer = config.peer_tp
+    if config.mode is Mode.DENSE and peer is not None and peer != tp and not use_mla:
+        raise ConfigError(
+            f"dense mode with a GQA/MHA model needs equal Prefill and Decode TP (each rank holds its own "
+            f"KV heads): this engine has TP {tp}, peer_tp is {peer}; use an MLA model, or equal TP"
+        )
+
+
 class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Disaggregated Prefill/Decode by layer-wise pull. See ``docs/vllm.md``."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         self.rd2h_config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         consumer, producer = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
@@ -63,6 +90,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         tp = int(parallel.tensor_parallel_size)
         dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
         sizes = _block_sizes(vllm_config, kv_cache_config)
+        _check_topology(self.rd2h_config, tp, bool(getattr(vllm_config.model_config, "use_mla", False)))
         self._scheduler: RD2HScheduler | None = None
         self._worker: RD2HWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-__all__ = ["RecvSpec", "SendSpec", "SendBlocks", "SendFinish", "StepMetadata", "WorkerReport"]
+__all__ = ["RecvSpec", "SendBlocks", "SendFinish", "SendSpec", "StepMetadata", "WorkerReport"]
 
 Groups = tuple[tuple[int, ...], ...]  # block ids per KV cache group
 

@@ -34,7 +34,7 @@ from rd2h.vllm.metadata import (
 )
 from rd2h.vllm.rendezvous import RendezvousPoster, child_index, ext_id_of
 
-__all__ = ["RD2HScheduler", "PARAMS_KEY"]
+__all__ = ["PARAMS_KEY", "RD2HScheduler"]
 
 log = logging.getLogger("rd2h.vllm.scheduler")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from rd2h.endpoint import DecodeEndpoint
 from rd2h.errors import ConfigError, RD2HError, UnknownRequestError
-from rd2h.outcome import Outcome
+from rd2h.outcome import Outcome, TerminalState
 from rd2h.tensors import LayerTensors, layer_layout, record_event
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
@@ -230,7 +230,8 @@ class RD2HWorker:
                 if req_id is None:
                     continue
                 if not outcome.ok:
-                    log.warning("Decode rank %d: %s %s: %s", self.rank, ext_id, outcome.state.name, outcome.error)
+                    level = logging.INFO if outcome.state is TerminalState.ABORTED else logging.WARNING
+                    log.log(level, "Decode rank %d: %s %s: %s", self.rank, ext_id, outcome.state.name, outcome.error)
                     self._failed_recving.add(req_id)
                 elif self.config.test_corrupt and where is not None:
                     self._corrupt(*where)

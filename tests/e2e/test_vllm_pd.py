@@ -22,10 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).parent
 
-_WORDS = (
-    "the quick brown fox jumps over the lazy dog while a tiny model learns to prefill and decode "
-    "key value caches across two engines"
-).split()
+_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "a", "tiny", "model", "learns", "to", "prefill", "and", "decode", "key", "value", "caches", "across", "two", "engines"]
 LONG = " ".join(_WORDS[i % len(_WORDS)] + ("" if i % 7 else " kalomi") for i in range(120))
 # a prompt list (three engine requests on Decode), one of them ~490 tokens: with
 # max_num_batched_tokens=128 Prefill computes it over four steps, learning blocks as it goes

@@ -22,7 +22,6 @@ from typing import Any
 
 import httpx
 
-
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -73,7 +72,7 @@ class Process:
     def __init__(self, name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> None:
         self.name, self.log = name, log
         self._exited = threading.Event()  # never set: a bounded wait's tick
-        self._file = open(log, "wb")
+        self._file = open(log, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             list(argv), stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, **(env or {})},

@@ -105,3 +105,12 @@ def test_vllm_ascend_hooks(model: Path) -> None:
     report = WorkerReport({"a": 1}).aggregate(WorkerReport({"a": 1, "b": 1}))
     assert report.expected == {"a": 2, "b": 1}
     connector.shutdown()
+
+
+def test_dense_gqa_with_unequal_tp_is_refused_at_startup(model: Path) -> None:
+    from rd2h.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="equal Prefill and Decode TP"):
+        make_scheduler(model, "kv_consumer", extra={"peer_tp": 2})
+    scheduler, _ = make_scheduler(model, "kv_consumer", extra={"peer_tp": 1})
+    scheduler.connector.shutdown()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_kit import BLOCK, make_request, make_scheduler, runner_output, write_model
+from vllm_kit import make_request, make_scheduler, runner_output, write_model
 
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
 

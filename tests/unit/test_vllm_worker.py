@@ -143,7 +143,7 @@ def test_corruption_hook_changes_what_arrived(pair) -> None:
 
 @pytest.mark.parametrize("pair", DENSE, indirect=True)
 def test_decode_abort_is_reported_finished_and_failed(pair) -> None:
-    prefill, decode, src, dst, endpoint = pair
+    decode = pair[1]
     decode.bind(StepMetadata(recv=(RecvSpec("r-0", "d-req", ((3,),), 0, 20),)))
     decode.bind(StepMetadata(recv_abort=("r-0",)))
     _, recving, failed = decode.transfer_results()
@@ -153,7 +153,7 @@ def test_decode_abort_is_reported_finished_and_failed(pair) -> None:
 
 @pytest.mark.parametrize("pair", DENSE, indirect=True)
 def test_prefill_abort_before_decode_replied_is_still_reported(pair) -> None:
-    prefill, decode, src, dst, endpoint = pair
+    prefill, _, src, _, endpoint = pair
     run_prefill(prefill, src, [
         StepMetadata(send_new=(SendSpec("r-9", "p-req", endpoint, ((0, 1),), 64, 0),), computed=(("r-9", 32),)),
         StepMetadata(send_finish=(SendFinish("r-9", "p-req", True),)),
@@ -186,3 +186,91 @@ def test_config_refuses_unknown_keys_and_modes() -> None:
     with pytest.raises(ConfigError):
         ConnectorConfig.from_extra({"test_corrupt": True})  # hooks only under their _test_ name
     assert ConnectorConfig.from_extra({"_test_corrupt": True, "mode": "sfa"}).mode is Mode.SFA
+
+
+def _workers(config: ConnectorConfig, *, role: str, tp: int, caches: list[dict], sizes: list[int]) -> list[RD2HWorker]:
+    workers = []
+    for rank in range(tp):
+        worker = RD2HWorker(config, consumer=role == "decode", producer=role == "prefill", rank=rank, tp_size=tp,
+                            dp_rank=0, block_sizes=sizes)
+        workers.append(worker)
+        worker.register(caches[rank], {n: BLOCKS for n in caches[rank]})
+    return workers
+
+
+def _settle(prefills: list[RD2HWorker], decodes: list[RD2HWorker], timeout: float = 20.0) -> tuple[list, list]:
+    sent: list[set] = [set() for _ in prefills]
+    got: list[set] = [set() for _ in decodes]
+    deadline = time.monotonic() + timeout
+    while not (all(sent) and all(got)):
+        assert time.monotonic() < deadline, (sent, got)
+        for i, w in enumerate(prefills):
+            sent[i] |= w.transfer_results()[0]
+        for i, w in enumerate(decodes):
+            _, recving, failed = w.transfer_results()
+            assert not failed
+            got[i] |= recving
+        threading.Event().wait(0.01)
+    return sent, got
+
+
+def _mla_caches(fill: bool) -> dict[str, torch.Tensor]:
+    make = torch.randn if fill else torch.zeros
+    return {f"model.layers.{i}.self_attn.attn": make(BLOCKS, 32, 576) for i in range(2)}
+
+
+def test_dense_mla_prefill_tp2_to_decode_tp1() -> None:
+    """MLA's latent is replicated on every Prefill rank: the two contributors split the
+    blocks and Decode's single rank gets every one (``main_split="replicated"``)."""
+    config = ConnectorConfig.from_extra({"kv_port": free_base_port(2), "request_timeout": 30})
+    src = _mla_caches(True)
+    prefills = _workers(config, role="prefill", tp=2, caches=[src, src], sizes=[32])
+    decodes = _workers(config, role="decode", tp=1, caches=[_mla_caches(False)], sizes=[32])
+    try:
+        endpoint = f"127.0.0.1:{config.kv_port}/1"
+        decodes[0].bind(StepMetadata(recv=(RecvSpec("r-0", "d", ((2, 4, 6, 8, 10),), 0, 150),)))
+        for p in prefills:
+            run_prefill(p, src, [
+                StepMetadata(send_new=(SendSpec("r-0", "p", endpoint, ((0, 1, 3, 5, 7),), 150, 0),), computed=(("r-0", 150),)),
+                StepMetadata(send_finish=(SendFinish("r-0", "p", False),)),
+            ])
+        _settle(prefills, decodes)
+        dst = decodes[0]._tensors
+        for name in src:
+            assert torch.equal(dst[name].main[0][[2, 4, 6, 8, 10]], src[name][[0, 1, 3, 5, 7]])
+    finally:
+        for w in prefills + decodes:
+            w.close()
+
+
+def test_sfa_prefill_tp1_to_decode_tp2_shared_main_pool() -> None:
+    """sfa: the Decode ranks map one main pool and read disjoint shares of it; each rank's
+    own indexer cache gets the whole indexer."""
+    config = ConnectorConfig.from_extra({"kv_port": free_base_port(2), "mode": "sfa", "request_timeout": 30})
+    src = sfa_caches(True)
+    pool = sfa_caches(False)
+    ranks = [dict(pool), dict(pool)]
+    for rank in ranks:  # the indexer is rank-local; main is the one shared pool
+        for name in list(rank):
+            if name.endswith("indexer.k_cache"):
+                rank[name] = torch.zeros(BLOCKS, 32, 132)
+    prefills = _workers(config, role="prefill", tp=1, caches=[src], sizes=[32, 32])
+    decodes = _workers(config, role="decode", tp=2, caches=ranks, sizes=[32, 32])
+    try:
+        endpoint = f"127.0.0.1:{config.kv_port}/2"
+        for d in decodes:
+            d.bind(StepMetadata(recv=(RecvSpec("r-0", "d", ((1, 2, 3, 4), (9, 10, 11, 12)), 0, 128),)))
+        run_prefill(prefills[0], src, [
+            StepMetadata(send_new=(SendSpec("r-0", "p", endpoint, ((5, 6, 7, 8), (0, 1, 2, 3)), 128, 0),),
+                         computed=(("r-0", 128),)),
+            StepMetadata(send_finish=(SendFinish("r-0", "p", False),)),
+        ])
+        _settle(prefills, decodes)
+        for i in range(2):
+            attn, indexer = f"model.layers.{i}.self_attn.attn", f"model.layers.{i}.self_attn.indexer.k_cache"
+            assert torch.equal(pool[attn][[1, 2, 3, 4]], src[attn][[5, 6, 7, 8]])
+            for rank in ranks:
+                assert torch.equal(rank[indexer][[9, 10, 11, 12]], src[indexer][[0, 1, 2, 3]])
+    finally:
+        for w in prefills + decodes:
+            w.close()

@@ -46,13 +46,21 @@ def make_scheduler(
 ):
     import torch
     from vllm.config import (
-        CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
     )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
     from vllm.plugins import load_general_plugins
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
 
     from rd2h.vllm.rendezvous import RendezvousPoster
 
