@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_big:
         figures.update({f"big {label} read GB/s": med(lambda r, k=f"big {label}": r[k]["read_gbps"]) for label in trees})
         figures.update({f"big {label} end-to-end GB/s": med(lambda r, k=f"big {label}": r[k]["gbps"]) for label in trees})
+        figures.update({f"big {label} Decode overhead p50 us/layer": med(
+            lambda r, k=f"big {label}": r[k].get("layer_overhead_p50_ms", float("nan")) * 1e3) for label in trees})
         figures.update({f"standalone {m} GB/s": med(lambda r, m=m: r["standalone"][m]) for m in rounds[0]["standalone"]})
     print(f"medians over {args.rounds} interleaved rounds")
     for name, value in figures.items():

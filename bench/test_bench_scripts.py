@@ -88,3 +88,11 @@ def test_profile_demo_runs_under_py_spy(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["demo"]["verified"]
     assert any(k.startswith("decode") for k in report["profile_us_per_layer"])
+
+
+def test_trace_layer_times_every_hop() -> None:
+    import trace_layer
+
+    steps = trace_layer.trace(layers=40, port=7795)
+    assert {"D sink: plan <", "D sink: read <", "P source: gate released >", "whole cycle"} <= set(steps)
+    assert steps["whole cycle"] > 0
