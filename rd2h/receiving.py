@@ -421,6 +421,10 @@ class ReceiveTracker:
             self._fail(request, error, now)
         return [r.ext_id for r in hit]
 
+    def announcing(self, identity: bytes) -> bool:
+        """Whether a live request was announced by ``identity`` (forgetting it would fail it)."""
+        return any(identity in r.peers and not r.terminal for r in self._requests.values())
+
     def peers(self) -> dict[bytes, str]:
         """Admitted peers: identity -> p_session."""
         return {i: p.p_session for i, p in self._peers.items() if p.state is _PeerState.ADMITTED}

@@ -44,6 +44,7 @@ from rd2h.layout import LayerLayout
 from rd2h.plan_cache import StepPlans
 from rd2h.planning import LayerPlan, RequestRead
 from rd2h.outcome import Outcome
+from rd2h.peer_limits import Oversized, PeerBook, PeerLimits, oversized_readiness
 from rd2h.receiving import Admission, Destinations, MainSplit, ReceiveTracker, plan_reads
 from rd2h.regions import RegionSet, merge_by_device
 
@@ -77,6 +78,8 @@ class _Counters:
     bytes_read: int = 0
     layers_read: int = 0
     malformed: int = 0
+    oversized: int = 0  # readiness refused for naming too many block ids
+    peers_dropped: int = 0  # peers forgotten: over a cap, or idle
     read_seconds: float = 0.0
     stats: deque[LayerStat] = field(default_factory=lambda: deque(maxlen=1 << 16))  # the latest layers
 
@@ -109,6 +112,8 @@ class Sink:
     registered with ``engine`` as destinations. ``main_split`` says how the Decode ranks
     share main K/V (``shared``: one pool, disjoint shares; ``replicated``: a full copy per
     rank). ``request_timeout`` is the default deadline of an expected request (None: none).
+    ``peer_limits`` bounds what peers may cost: entries in all and per Prefill process, idle
+    time, block ids per readiness (:class:`~rd2h.peer_limits.PeerLimits`).
     The engine, listener and thread belong to the sink: ``close()`` stops and closes them.
     """
 
@@ -127,6 +132,7 @@ class Sink:
         poll_seconds: float = 0.1,
         liveness_seconds: float = 0.5,
         on_layer: Callable[[LayerStat], None] | None = None,
+        peer_limits: PeerLimits | None = None,
     ) -> None:
         self._tracker = ReceiveTracker(
             layers, decode_rank=rank, decode_tp=tp_size, main_split=main_split, request_timeout=request_timeout
@@ -143,6 +149,7 @@ class Sink:
         self._liveness = liveness_seconds
         self._on_layer = on_layer
         self._peers: dict[bytes, _Peer] = {}  # loop thread only
+        self._book = PeerBook(peer_limits or PeerLimits())  # loop thread only; caps and idle peers
         # loop thread only: what a step repeats on every layer is derived once per step
         self._decoder = protocol.ReadinessDecoder()
         self._plans = StepPlans()  # a plan is read before the next is built
@@ -287,6 +294,11 @@ class Sink:
                 log.exception("rank %d: unexpected error in the loop", self.rank)
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
+        self._book.seen(identity, self._clock())
+        over = oversized_readiness(frame, self._book.limits.max_ids_per_message)
+        if over is not None:  # refused before decoding: decoding costs ~28 bytes per id
+            self._refuse_oversized(identity, over)
+            return
         try:
             message = self._decoder.decode(frame)
         except ProtocolError as exc:
@@ -314,6 +326,7 @@ class Sink:
             log.error("rank %d: refused mf_meta from %s: %s", self.rank, meta.p_session[:80], exc)
             with self._changed:
                 self._tracker.peer_refused(identity, meta.p_session, exc)
+            self._forget_all(self._book.admit(identity, None, self._clock(), self._announcing))
             return
         self._peers[identity] = _Peer(meta.p_session, layers, session, RegionSet(session.peer_regions))
         # What the peer proved: the engine's peer id (proven by a PROVES_PEER engine, else as
@@ -322,7 +335,11 @@ class Sink:
         proven = [session.peer_id] if key is None else [session.peer_id, key]
         with self._changed:
             self._tracker.peer_admitted(identity, meta.p_session, proven)
-        self._listener.send(identity, protocol.ACK_FRAME)
+        self._forget_all(self._book.admit(identity, session.peer_id, self._clock(), self._announcing))
+        try:
+            self._listener.send(identity, protocol.ACK_FRAME)
+        except RD2HError as exc:
+            log.warning("rank %d: could not acknowledge %r: %s", self.rank, identity, exc)
 
     def _on_ready(self, identity: bytes, batch: protocol.ReadReadyBatch) -> None:
         started = time.perf_counter()
@@ -428,6 +445,50 @@ class Sink:
         except RD2HError as exc:  # the peer is gone or unreachable: its requests time out or die
             log.warning("rank %d: could not reply to %r: %s", self.rank, identity, exc)
 
+    def _announcing(self, identity: bytes) -> bool:
+        with self._changed:
+            return self._tracker.announcing(identity)
+
+    def _forget_all(self, identities: Sequence[bytes], why: str = "more peers than the limits allow") -> None:
+        """Forget peers (their sessions and fds); what they announced and is live fails."""
+        for identity in identities:
+            self.counters.peers_dropped += 1
+            peer = self._peers.pop(identity, None)
+            if peer is not None:
+                peer.session.close()
+            self._book.forget(identity)
+            with self._changed:
+                hit = self._tracker.peer_gone(identity, PeerGoneError(f"Prefill peer dropped by Decode: {why}"), self._clock())
+                self._changed.notify_all()
+            log.warning("rank %d: dropped peer %r (%s); failed %d request(s)", self.rank, identity, why, len(hit))
+
+    def _refuse_oversized(self, identity: bytes, over: Oversized) -> None:
+        """Refuse a readiness naming too many ids, per request, without decoding its ids."""
+        self.counters.oversized += 1
+        limit = self._book.limits.max_ids_per_message
+        error = ProtocolError(
+            f"readiness of layer {over.layer_idx} names {over.ids} block ids, above this Decode's "
+            f"max_ids_per_message={limit}: split the step, or raise the limit on Decode"
+        )
+        log.warning("rank %d: refused %r: %s", self.rank, identity, error)
+        try:
+            stub = protocol.ReadReadyBatch(
+                over.layer_idx, over.layer_name, tuple(protocol.ReadRequest(e, (), (), 0, 0) for e in over.ext_ids), ()
+            )
+        except (TypeError, ValueError):  # not even its header is valid: nothing to answer
+            self.counters.malformed += 1
+            return
+        with self._changed:
+            admission = self._tracker.on_readiness(identity, stub, self._clock())
+            failures = self._tracker.fail_readable(admission, error, self._clock())
+            self._changed.notify_all()
+        if admission.meta_required:
+            self._send(identity, protocol.ReadFailed.meta_required(over.layer_idx))
+        elif failures:
+            self._send(identity, _failed_reply(over.layer_idx, failures))
+        else:  # it named no request by a valid id: the whole layer is refused
+            self._send(identity, protocol.ReadFailed.from_error(over.layer_idx, error))
+
     def _check_peers(self) -> None:
         """Fail what a dead Prefill announced, and forget the peer (its session, its fds)."""
         for identity, peer in list(self._peers.items()):
@@ -440,3 +501,5 @@ class Sink:
             log.warning("rank %d: Prefill %s exited; failed %d request(s)", self.rank, peer.p_session[:80], len(hit))
             peer.session.close()
             del self._peers[identity]
+            self._book.forget(identity)
+        self._forget_all(self._book.idle(self._clock(), self._announcing), "idle")

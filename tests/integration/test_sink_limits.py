@@ -1,0 +1,172 @@
+"""Issue 9 D3/D7 on the Decode runtime: what one Prefill peer may cost a rank is bounded.
+
+Real zmq on loopback, raw DEALER peers (a new identity per handshake, as a misbehaving
+process would), the real local engine. On 87b7601 every handshake kept a peer entry and its
+pidfd for ever (1,500 handshakes from one process: +1,500 fds, +15 MB), idle peers were
+never forgotten, and a readiness of any size was decoded whole (20M ids: 561 MB peak):
+``git worktree add /tmp/old 87b7601`` and the same handshake loop against its KVSink shows
+one more pidfd per handshake, and the sink there takes no ``peer_limits``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+from layers import layer_tensors
+
+from rd2h import plugins, protocol
+from rd2h.api import layer_layout
+from rd2h.clock import ManualClock
+from rd2h.errors import ProtocolError
+from rd2h.layer_metadata import encode_layer_metadata
+from rd2h.mf_meta import MfMeta
+from rd2h.outcome import TerminalState
+from rd2h.peer_limits import PeerLimits
+from rd2h.sink import Sink
+
+LAYERS = ("l0", "l1")
+ARRIVAL_MS = 10_000
+
+
+def pidfds() -> int:
+    """pidfds open in this process: one per engine session Decode keeps."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+        except OSError:
+            pass
+    return count
+
+
+class World:
+    def __init__(self, limits: PeerLimits, clock: ManualClock) -> None:
+        self.src = {name: layer_tensors(True, seed=i) for i, name in enumerate(LAYERS)}
+        self.dst = {name: layer_tensors(False) for name in LAYERS}
+        self.engine = plugins.load_engine("local", "prefill")
+        self.layouts = {name: layer_layout(t) for name, t in self.src.items()}
+        self.metadata = self.engine.register([r for lay in self.layouts.values() for r in lay.regions()])
+        listener = plugins.load_channel("zmq").listen("tcp://127.0.0.1:0")
+        self.sink = Sink(
+            rank=0, tp_size=1, engine=plugins.load_engine("local", "decode"), listener=listener,
+            layers={name: layer_layout(t) for name, t in self.dst.items()}, clock=clock,
+            poll_seconds=0.02, liveness_seconds=0.0, peer_limits=limits,
+        )  # fmt: skip
+        self.context = zmq.Context()
+
+    def dealer(self) -> zmq.Socket[bytes]:
+        sock = self.context.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(self.sink.address)
+        return sock
+
+    def handshake(self, sock: zmq.Socket[bytes]) -> None:
+        meta = MfMeta("hand", encode_layer_metadata(self.layouts), engine_metadata=self.metadata)
+        sock.send(protocol.encode(meta))
+        assert sock.poll(ARRIVAL_MS) and protocol.decode_reply(sock.recv_multipart()[-1]) == protocol.Ack()
+
+    def ready(self, sock: zmq.Socket[bytes], data: bytes) -> protocol.Reply:
+        sock.send(data)
+        assert sock.poll(ARRIVAL_MS), "Decode did not reply"
+        return protocol.decode_reply(sock.recv_multipart()[-1])
+
+    def close(self) -> None:
+        self.sink.close()
+        self.context.destroy(linger=0)
+        self.engine.close()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest, clock: ManualClock) -> Iterator[World]:
+    w = World(PeerLimits(**getattr(request, "param", {})), clock)
+    w.sink.start()
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("world", [dict(max_per_source=4)], indirect=True, ids=["limits"])
+def test_handshakes_from_one_process_keep_a_bounded_number_of_sessions(world: World) -> None:
+    """D3: 100 handshakes from one process, each under a new identity, keep at most
+    ``max_per_source`` engine sessions (and their fds); the latest peer still works."""
+    before = pidfds()
+    for _ in range(100):
+        sock = world.dealer()
+        world.handshake(sock)
+        sock.close()
+    last = world.dealer()
+    world.handshake(last)
+    assert pidfds() - before <= 4
+    assert world.sink.counters.peers_dropped >= 97
+    world.sink.expect("r", [3])
+    reqs = (protocol.ReadRequest("r", (1,), (1,), 0, 0),)
+    assert isinstance(world.ready(last, protocol.encode(protocol.ReadReadyBatch(0, "l0", reqs, ()))), protocol.ReadDone)
+    reply = world.ready(last, protocol.encode(protocol.ReadReadyBatch(1, "l1", reqs, ("r",))))
+    assert isinstance(reply, protocol.ReadDone)
+    assert world.sink.wait(["r"], 10)["r"].state is TerminalState.DONE
+
+
+@pytest.mark.parametrize("world", [dict(max_peers=3, max_per_source=100)], indirect=True, ids=["limits"])
+def test_peers_in_all_are_capped_and_idle_ones_go_first(world: World) -> None:
+    """D3: past ``max_peers`` the least recently active peer that announces nothing live
+    is forgotten; a peer in the middle of a request is kept."""
+    before = pidfds()
+    busy = world.dealer()
+    world.handshake(busy)
+    world.sink.expect("r", [2, 3])
+    reqs = (protocol.ReadRequest("r", (1, 2), (1, 2), 0, 0),)
+    assert isinstance(world.ready(busy, protocol.encode(protocol.ReadReadyBatch(0, "l0", reqs, ()))), protocol.ReadDone)
+    for _ in range(5):
+        world.handshake(world.dealer())
+    assert pidfds() - before == 3  # three sessions kept
+    reply = world.ready(busy, protocol.encode(protocol.ReadReadyBatch(1, "l1", reqs, ("r",))))
+    assert isinstance(reply, protocol.ReadDone)  # still admitted: it was busy
+    assert world.sink.wait(["r"], 10)["r"].state is TerminalState.DONE
+
+
+@pytest.mark.parametrize("world", [dict(idle_seconds=60.0)], indirect=True, ids=["limits"])
+def test_idle_peers_are_forgotten(world: World, clock: ManualClock) -> None:
+    """D3: a peer silent for ``idle_seconds`` (the sink's clock) is forgotten, session and
+    fds with it; it is asked for its mf_meta again if it comes back."""
+    before = pidfds()
+    quiet = world.dealer()
+    world.handshake(quiet)
+    assert pidfds() == before + 1
+    clock.advance(61.0)
+    fresh = world.dealer()
+    world.handshake(fresh)
+    reqs = (protocol.ReadRequest("r", (1,), (1,), 0, 0),)
+    # the loop checks its peers after each message: this reply comes after that check
+    world.ready(fresh, protocol.encode(protocol.ReadReadyBatch(0, "l0", reqs, ())))
+    assert world.sink.counters.peers_dropped == 1
+    assert pidfds() == before + 1  # the quiet one's session is closed, the new one open
+    reply = world.ready(quiet, protocol.encode(protocol.ReadReadyBatch(0, "l0", reqs, ())))
+    assert isinstance(reply, protocol.ReadFailed) and reply.needs_meta
+
+
+@pytest.mark.parametrize("world", [dict(max_ids_per_message=1000)], indirect=True, ids=["limits"])
+def test_a_readiness_naming_too_many_ids_is_refused_per_request_before_decoding(world: World) -> None:
+    """D7: block ids per message are bounded by configuration, with a clear refusal that
+    names each request, on both sides; a readiness under the limit still reads."""
+    sock = world.dealer()
+    world.handshake(sock)
+    world.sink.expect("big", [1])
+    world.sink.expect("small", [2])
+    huge = protocol.ReadRequest("big", tuple(range(600)), tuple(range(600)), 0, 0)
+    reply = world.ready(sock, protocol.encode(protocol.ReadReadyBatch(0, "l0", (huge,), ())))
+    assert isinstance(reply, protocol.ReadFailed) and reply.failed_ext_ids == ("big",)
+    assert "max_ids_per_message=1000" in reply.error and "1200 block ids" in reply.error
+    outcome = world.sink.wait(["big"], 10)["big"]
+    assert outcome.state is TerminalState.FAILED and isinstance(outcome.error, ProtocolError)
+    assert world.sink.counters.oversized == 1
+    ok = protocol.ReadRequest("small", (3,), (3,), 0, 0)
+    assert isinstance(world.ready(sock, protocol.encode(protocol.ReadReadyBatch(0, "l0", (ok,), ()))), protocol.ReadDone)
+    assert np.array_equal(world.dst["l0"].main[0][2], world.src["l0"].main[0][3])
