@@ -170,3 +170,17 @@ def test_merged_registrations_replace_their_parts(reader: MooncakeEngine) -> Non
     reader.register([Region(base + 4096, 4096)])
     assert reader._native_regions.get(base) == 2 * 4096
     assert base + 4096 not in reader._native_regions
+
+
+def test_a_range_the_peer_never_registered_is_a_transfer_error(reader: MooncakeEngine, peer: PeerProcess) -> None:
+    # metadata that claims more than the peer registered passes rd2h's check; mooncake refuses
+    # at once with -1 while the peer still answers: neither PeerGoneError nor TransferTimeout
+    session_id, regions = _metadata.decode(peer.metadata)
+    (addr, length), *rest = regions
+    claimed = _metadata.encode(session_id, [(addr, length + 4096), *rest])
+    dest = _Dest(reader, 4096)
+    session = reader.connect(claimed)
+    args = (np.array([dest.addr], np.int64), np.array([addr + length], np.int64), np.array([4096], np.int64))
+    with pytest.raises(TransferError, match="rc -1") as failure:
+        reader.read_batch(session, *args)
+    assert type(failure.value) is TransferError

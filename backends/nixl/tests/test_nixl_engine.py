@@ -204,3 +204,16 @@ def test_a_process_with_an_agent_exits_cleanly() -> None:
     code = "from rd2h_nixl import NixlEngine\nNixlEngine('decode').close()\nNixlEngine('prefill')\n"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+
+
+def test_a_range_the_peer_never_registered_is_a_transfer_error(tcp_reader: tuple[NixlEngine, np.ndarray]) -> None:
+    # rd2h metadata that claims more than the agent registered passes rd2h's check; NIXL refuses
+    engine, dest = tcp_reader
+    with PeerProcess("nixl", sizes=(1 << 20,), seed=3) as peer:
+        name, agent_md, regions = _metadata.decode(peer.metadata)
+        (addr, length), *rest = regions
+        session = engine.connect(_metadata.encode(name, agent_md, [(addr, length + 4096), *rest]))
+        args = (np.array([dest.ctypes.data], np.int64), np.array([addr + length], np.int64), np.array([4096], np.int64))
+        with pytest.raises(TransferError, match="nixl") as failure:
+            engine.read_batch(session, *args)
+        assert type(failure.value) is TransferError
