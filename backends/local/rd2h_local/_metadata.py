@@ -3,10 +3,11 @@
 A positional msgpack array, append-only like the rest of rd2h's wire formats:
 
     (b"rd2h-local", version, boot_id, hostname, pid_namespace | None, pid, start_time | None,
-     [(addr, length), ...], proof_socket)
+     [(addr, length), ...], proof_socket, proof_token)
 
-``proof_socket`` names the Prefill's socket in the abstract namespace (see ``_proof``): the
-pid and regions above are believed only once the process there proves them.
+``proof_socket`` names the Prefill's socket in the abstract namespace and ``proof_token`` is
+what a reader presents there (see ``_proof``): the pid and regions above are believed only
+once the process there proves them.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ class PeerInfo:
     start_time: int | None
     regions: tuple[Region, ...]
     proof_socket: str
+    proof_token: bytes = b""
 
 
 def encode(info: PeerInfo) -> bytes:
     regions = [(r.addr, r.length) for r in info.regions]
-    return ENVELOPE.pack(info.boot_id, info.hostname, info.pid_namespace, info.pid, info.start_time, regions, info.proof_socket)
+    return ENVELOPE.pack(info.boot_id, info.hostname, info.pid_namespace, info.pid, info.start_time, regions, info.proof_socket, info.proof_token)
 
 
 def _optional_int(value: object, field: str) -> int | None:
@@ -43,15 +45,18 @@ def _optional_int(value: object, field: str) -> int | None:
 
 def decode(blob: bytes) -> PeerInfo:
     """Parse a peer's blob. Raises ``TransferError`` naming the field that is wrong."""
-    boot, host, pidns, pid, start, regions, proof = ENVELOPE.unpack(blob, 7)
+    boot, host, pidns, pid, start, regions, proof, token = ENVELOPE.unpack(blob, 8)
     if not isinstance(boot, str) or not isinstance(host, str):
         raise ENVELOPE.malformed("boot_id and hostname must be strings")
     if not ENVELOPE.integer(pid, "pid"):
         raise ENVELOPE.malformed("pid must be positive")
     if not isinstance(proof, str) or len(proof) > 100:
         raise ENVELOPE.malformed("proof_socket must be a socket name")
+    if not isinstance(token, bytes) or len(token) > 64:
+        raise ENVELOPE.malformed("proof_token must be bytes")
     return PeerInfo(
         boot, host, _optional_int(pidns, "pid_namespace"), pid, _optional_int(start, "start_time"),
         tuple(Region(addr, length) for addr, length in ENVELOPE.regions(regions)),
         proof,
+        token,
     )

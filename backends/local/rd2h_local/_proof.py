@@ -4,11 +4,13 @@ The registration blob names a pid and regions; a blob is just bytes any peer can
 Prefill engine listens on a Unix socket in the abstract namespace, named in its blob, and:
 
 - a reader (Decode) that connects learns from the kernel (``SO_PEERCRED``) which pid listens
-  there, refuses the blob unless it is the pid the blob names, and takes the regions that
-  process registered from the socket, not from the blob;
-- the Prefill learns the reader's pid the same way and, where Yama's ``ptrace_scope`` is 1,
-  lets that pid alone read it (``PR_SET_PTRACER``). Yama keeps one such pid per process, so a
-  second reading process is refused while the first is connected, with the reason.
+  there, refuses the blob unless it is the pid the blob names, presents the token the blob
+  carries, and takes the regions that process registered from the socket, not from the blob;
+- the Prefill answers only a reader with that token (the blob goes only to the Decode
+  endpoints it dials; the socket's name is visible to anyone in /proc/net/unix), learns the
+  reader's pid from the kernel too and, where Yama's ``ptrace_scope`` is 1, lets that pid
+  alone read it (``PR_SET_PTRACER``). Yama keeps one such pid per process, so a second
+  reading process is refused while the first is connected, with the reason.
 
 The reader keeps its connection for the session's life: its end tells the Prefill to revoke.
 Every call here is bounded: the reader by its deadline, the witness by a short send timeout
@@ -17,6 +19,7 @@ and a poll that wakes at least once a second.
 
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 import select
@@ -31,7 +34,7 @@ import msgpack
 from rd2h.errors import ConfigError, TransferError
 from rd2h_local import _sys
 
-__all__ = ["PTRACER_MODES", "Witness", "Proof", "verify"]
+__all__ = ["PTRACER_MODES", "TOKEN_BYTES", "Witness", "Proof", "verify"]
 
 PTRACER_MODES = ("peer", "any", "none")
 _MAGIC = b"rd2h-local-proof"
@@ -40,6 +43,8 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LENGTH = struct.Struct(">I")
 _MAX_REPLY = 16 << 20  # the regions of one process; far above any real registration
 _SEND_TIMEOUT = 1.0  # a reader that does not take a few KiB in this long is dropped
+_TOKEN_WAIT = 2.0  # a connection that has not sent its token in this long is dropped
+TOKEN_BYTES = 16
 MAX_READERS = 256  # connections one Prefill keeps; more are refused (each holds an fd)
 
 Regions = list[tuple[int, int]]
@@ -85,18 +90,30 @@ class _Ptrace:
             _sys.set_ptracer(0)  # 0 clears the exception
 
 
-class Witness:
-    """The Prefill end: answers every reader with its pid's registered regions.
+class _Conn:
+    """One connection to the witness: first a reader that owes its token, then a reader."""
 
-    ``regions`` is called on the witness thread for the current registration. The thread
-    starts here and is stopped and joined by ``close``.
+    __slots__ = ("sock", "got", "deadline", "answered")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.got, self.deadline, self.answered = sock, b"", deadline, False
+
+
+class Witness:
+    """The Prefill end: answers a reader that presents its token with this process's
+    registered regions, and grants it ptrace where Yama asks.
+
+    The token travels in the metadata, which only the Decode endpoints this Prefill dials
+    receive; the socket name alone (visible in /proc/net/unix) earns nothing. ``regions``
+    is called on the witness thread. The thread starts here; ``close`` stops and joins it.
     """
 
     def __init__(self, regions: Callable[[], Regions], ptracer: str = "peer", max_readers: int = MAX_READERS) -> None:
         self._ptrace = _Ptrace(ptracer)
         self._regions = regions
         self._max_readers = max_readers
-        self.name = "rd2h-local." + secrets.token_hex(12)  # random: names are visible in /proc/net/unix
+        self.name = "rd2h-local." + secrets.token_hex(12)
+        self.token = secrets.token_bytes(TOKEN_BYTES)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self._listener.bind(b"\0" + self.name.encode())
@@ -106,14 +123,15 @@ class Witness:
             self._listener.close()
             raise TransferError(f"the local engine cannot listen on its proof socket: {exc}") from exc
         self._wake_r, self._wake_w = os.pipe()
-        self._readers: dict[int, socket.socket] = {}  # fd -> connection, witness thread only
+        self._conns: dict[int, _Conn] = {}  # fd -> connection, witness thread only
+        self._poller = select.poll()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="rd2h-witness", daemon=True)
         self._thread.start()
 
     @property
     def readers(self) -> int:
-        return len(self._readers)
+        return len(self._conns)
 
     def close(self) -> None:
         """Stop the thread, close every connection (revoking ptrace). Idempotent."""
@@ -122,59 +140,85 @@ class Witness:
         self._stop = True
         os.write(self._wake_w, b"\0")
         self._thread.join(5.0)
-        for conn in list(self._readers.values()):
+        for conn in list(self._conns.values()):
             self._drop(conn)
         self._listener.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
     def _run(self) -> None:
-        poller = select.poll()
-        poller.register(self._listener, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
+        self._poller.register(self._listener, select.POLLIN)
+        self._poller.register(self._wake_r, select.POLLIN)
         while not self._stop:
-            for fd, _events in poller.poll(1000):
+            for fd, _events in self._poller.poll(1000):
                 if fd == self._listener.fileno():
-                    conn = self._accept()
-                    if conn is not None:
-                        poller.register(conn, select.POLLIN)
-                elif fd in self._readers:  # a reader never writes: this is its end (or junk)
-                    poller.unregister(fd)
-                    self._drop(self._readers[fd])
+                    self._accept()
+                elif fd in self._conns:
+                    self._readable(self._conns[fd])
+            now = time.monotonic()
+            for conn in [c for c in self._conns.values() if not c.answered and now > c.deadline]:
+                self._drop(conn)  # connected and never sent its token
 
-    def _accept(self) -> socket.socket | None:
+    def _accept(self) -> None:
         try:
-            conn, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-            return None
-        except OSError:  # out of fds: the reader sees its connection refused or closed
-            return None
+            sock, _ = self._listener.accept()
+        except OSError:  # nothing to accept after all, or out of fds: the reader sees it
+            return
+        if len(self._conns) >= self._max_readers:
+            self._reply(sock, f"this Prefill already serves {self._max_readers} reader connections", [])
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock, time.monotonic() + _TOKEN_WAIT)
+        self._conns[sock.fileno()] = conn
+        self._poller.register(sock, select.POLLIN)
+
+    def _readable(self, conn: _Conn) -> None:
         try:
-            pid = _peer_pid(conn)
-            refusal = None
-            if len(self._readers) >= self._max_readers:
-                refusal = f"this Prefill already serves {self._max_readers} reader connections"
-            else:
-                refusal = self._ptrace.grant(conn, pid)
-            regions = [] if refusal else self._regions()
-            body = msgpack.packb((_MAGIC, _VERSION, refusal, regions), use_bin_type=True)
-            conn.settimeout(_SEND_TIMEOUT)
-            conn.sendall(_LENGTH.pack(len(body)) + body)
+            data = conn.sock.recv(TOKEN_BYTES - len(conn.got)) if not conn.answered else conn.sock.recv(1)
+        except BlockingIOError:
+            return
         except OSError:
-            self._ptrace.release(conn)
-            conn.close()
-            return None
-        if refusal is not None:
-            conn.close()
-            return None
-        conn.setblocking(False)
-        self._readers[conn.fileno()] = conn
-        return conn
+            data = b""
+        if conn.answered or not data:  # a reader never writes after its token: this is its end
+            self._drop(conn)
+            return
+        conn.got += data
+        if len(conn.got) < TOKEN_BYTES:
+            return
+        refusal = None
+        if not hmac.compare_digest(conn.got, self.token):
+            refusal = "wrong token: a reader must present the token of this Prefill's metadata"
+        else:
+            try:
+                refusal = self._ptrace.grant(conn.sock, _peer_pid(conn.sock))
+            except OSError as exc:
+                refusal = f"cannot tell who is reading: {exc}"
+        if not self._reply(conn.sock, refusal, [] if refusal else self._regions()) or refusal:
+            self._drop(conn)
+            return
+        conn.answered = True
 
-    def _drop(self, conn: socket.socket) -> None:
-        self._readers.pop(conn.fileno(), None)
-        self._ptrace.release(conn)
-        conn.close()
+    @staticmethod
+    def _reply(sock: socket.socket, refusal: str | None, regions: Regions) -> bool:
+        body = msgpack.packb((_MAGIC, _VERSION, refusal, regions), use_bin_type=True)
+        try:
+            sock.settimeout(_SEND_TIMEOUT)
+            sock.sendall(_LENGTH.pack(len(body)) + body)
+            sock.setblocking(False)
+        except OSError:
+            return False
+        return True
+
+    def _drop(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        if self._conns.pop(fd, None) is not None:
+            try:
+                self._poller.unregister(fd)
+            except KeyError:
+                pass
+        self._ptrace.release(conn.sock)
+        conn.sock.close()
 
 
 class Proof:
@@ -200,8 +244,9 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def verify(name: str, pid: int, deadline: float) -> Proof:
-    """Connect to the proof socket ``name`` and check that process ``pid`` listens there.
+def verify(name: str, token: bytes, pid: int, deadline: float) -> Proof:
+    """Connect to the proof socket ``name``, check that process ``pid`` listens there, and
+    present ``token`` (from the metadata) for its registered regions.
 
     Raises ``TransferError`` when nothing listens there, another process does, the Prefill
     refuses (with its reason) or does not answer by ``deadline``.
@@ -222,6 +267,7 @@ def verify(name: str, pid: int, deadline: float) -> Proof:
                 f"the metadata names process {pid}, but process {owner} answers its proof socket: "
                 "refused (a peer may name only its own memory)"
             )
+        sock.sendall(token)
         (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size, deadline))
         if size > _MAX_REPLY:
             raise TransferError(f"the Prefill's proof reply of {size} bytes is too big")

@@ -186,6 +186,7 @@ class LocalEngine(TransferEngine):
                 _sys.start_time(self._pid),
                 _as_regions(self._bounds),
                 "" if self._witness is None else self._witness.name,
+                b"" if self._witness is None else self._witness.token,
             )
         return _metadata.encode(info)
 
@@ -245,7 +246,7 @@ class LocalEngine(TransferEngine):
                 f"the metadata of process {info.pid} names no proof socket (a Decode-role engine's, or "
                 "an older rd2h-local's): nothing it declares can be believed"
             )
-        proof = _proof.verify(info.proof_socket, info.pid, time.monotonic() + min(self.timeout, 10.0))
+        proof = _proof.verify(info.proof_socket, info.proof_token, info.pid, time.monotonic() + min(self.timeout, 10.0))
         try:
             try:
                 proven = RegionSet(proof.regions)

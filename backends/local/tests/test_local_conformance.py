@@ -26,4 +26,5 @@ class TestLocalEngineConformance(EngineConformance):
             "memory the peer did not register": forge(regions=(Region(first.addr - 4096, first.length + 4096),)),
             "no proof socket": forge(proof_socket=""),
             "a proof socket nobody listens on": forge(proof_socket="rd2h-local.nobody-here"),
+            "the right socket without its token": forge(proof_token=bytes(16)),
         }

@@ -226,13 +226,13 @@ def test_reused_pid_is_peer_gone():
     [
         (b"", "not msgpack"),
         (msgpack.packb({"a": 1}), "array"),
-        (msgpack.packb([b"other", 1, "", "", None, 1, None, [], ""]), "not produced by the local engine"),
-        (msgpack.packb([b"rd2h-local", 99, "", "", None, 1, None, [], ""]), "version 99"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, -1, None, [], ""]), "pid"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 0, None, [], ""]), "pid must be positive"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1]], ""]), "region 0"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1, 0]], ""]), "region 0"),
-        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[2**63 - 2, 2]], ""]), "region 0"),
+        (msgpack.packb([b"other", 1, "", "", None, 1, None, [], "", b""]), "not produced by the local engine"),
+        (msgpack.packb([b"rd2h-local", 99, "", "", None, 1, None, [], "", b""]), "version 99"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, -1, None, [], "", b""]), "pid"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 0, None, [], "", b""]), "pid must be positive"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1]], "", b""]), "region 0"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[1, 0]], "", b""]), "region 0"),
+        (msgpack.packb([b"rd2h-local", 1, "b", "h", None, 5, None, [[2**63 - 2, 2]], "", b""]), "region 0"),
     ],
 )
 def test_malformed_metadata_names_the_field(blob, field):

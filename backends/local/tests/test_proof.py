@@ -191,11 +191,32 @@ def test_witness_caps_its_readers(monkeypatch):
     import time
 
     try:
-        proofs = [_proof.verify(witness.name, os.getpid(), time.monotonic() + 5) for _ in range(2)]
+        proofs = [_proof.verify(witness.name, witness.token, os.getpid(), time.monotonic() + 5) for _ in range(2)]
         with pytest.raises(TransferError, match="already serves 2"):
-            _proof.verify(witness.name, os.getpid(), time.monotonic() + 5)
+            _proof.verify(witness.name, witness.token, os.getpid(), time.monotonic() + 5)
         for p in proofs:
             p.close()
     finally:
         witness.close()
     assert witness.readers == 0
+
+
+def test_the_socket_name_alone_earns_nothing(monkeypatch):
+    """The proof socket's name is visible to every process (/proc/net/unix). A process that
+    finds it but lacks the token from the metadata gets no regions and no ptrace grant."""
+    import time
+
+    from rd2h_local import _proof
+
+    grants = _Grants(monkeypatch)
+    src = np.ones(4096, dtype=np.uint8)
+    witness = _proof.Witness(lambda: [(src.ctypes.data, src.nbytes)])
+    try:
+        with pytest.raises(TransferError, match="wrong token"):
+            _proof.verify(witness.name, bytes(_proof.TOKEN_BYTES), os.getpid(), time.monotonic() + 5)
+        assert grants.calls == []
+        proof = _proof.verify(witness.name, witness.token, os.getpid(), time.monotonic() + 5)
+        assert proof.regions == [(src.ctypes.data, src.nbytes)] and grants.calls == [os.getpid()]
+        proof.close()
+    finally:
+        witness.close()
