@@ -21,7 +21,14 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from rd2h.cli.bench_source import SourceProcess, fill_pattern, pool
-from rd2h.cli.benchmark import Descriptors, Method, bare_pvr_method, engine_method, make_layout, memcpy_method
+from rd2h.cli.benchmark import (
+    Descriptors,
+    Method,
+    bare_pvr_method,
+    engine_method,
+    make_layout,
+    memcpy_method,
+)
 
 KINDS = (("shared", "shared"), ("thp", "thp"), ("thp", "shared"))
 

@@ -56,7 +56,7 @@ def parse(raw: str) -> dict[tuple[str, str], collections.Counter[str]]:
     roles: dict[str, str] = {}
     for pid, _, frames, _ in stacks:
         for f in frames:
-            if f.startswith("_decode_into ") or f.startswith("Sink."):
+            if f.startswith(("_decode_into ", "Sink.")):
                 roles[pid] = "decode"
             elif f.startswith("_prefill ") and roles.get(pid) != "decode":
                 roles[pid] = "prefill"
@@ -83,7 +83,7 @@ def run(demo_args: list[str], rate: int, pythonpath: str | None) -> tuple[dict, 
         cmd = [py_spy, "record", "--subprocesses", "--threads", "--rate", str(rate), "--format", "raw",
                "-o", str(raw), "--", sys.executable, "-m", "rd2h.cli", "demo", "--json",
                "--prefill-tp", "1", "--decode-tp", "1", *demo_args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=900)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=tmp, timeout=900)
         if proc.returncode != 0 or not raw.exists():
             raise SystemExit(f"py-spy or the demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

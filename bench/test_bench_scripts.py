@@ -11,13 +11,12 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
-
 import end_to_end
 import exposed
 import memory_kinds
 import pingpong
 import profile_demo
+import pytest
 import scaling
 
 
@@ -59,17 +58,16 @@ def test_exposed_with_simulated_compute(tmp_path: Path) -> None:
 
 
 def test_profile_parser_sorts_samples_by_role_and_thread() -> None:
+    sink = 'process 1:"python -m rd2h.cli demo";process 2:"python -c spawn; spawn_main()";thread (5): rd2h-sink-0;'
+    prefill = 'process 1:"python -m rd2h.cli demo";process 3:"python -c spawn";thread (6): MainThread;'
     raw = "\n".join([
-        'process 1:"python -m rd2h.cli demo";process 2:"python -c spawn; spawn_main()";thread (5): rd2h-sink-0;'
-        "Sink._run (rd2h/sink.py:1);Sink._on_ready (rd2h/sink.py:2) 7",
-        'process 1:"python -m rd2h.cli demo";process 2:"python -c spawn; spawn_main()";thread (5): rd2h-sink-0;'
-        "Sink._run (rd2h/sink.py:1);Poller.poll (zmq/poll.py:3) 5",
-        'process 1:"python -m rd2h.cli demo";process 3:"python -c spawn";thread (6): MainThread;'
-        "_prefill (rd2h/cli/demo/ranks.py:9);Source.layer_ready (rd2h/source.py:4) 3",
+        sink + "Sink._run (rd2h/sink.py:1);Sink._on_ready (rd2h/sink.py:2) 7",
+        sink + "Sink._run (rd2h/sink.py:1);Poller.poll (zmq/poll.py:3) 5",
+        prefill + "_prefill (rd2h/cli/demo/ranks.py:9);Source.layer_ready (rd2h/source.py:4) 3",
     ])
     profile = profile_demo.parse(raw)
-    sink = profile["decode", "rd2h-sink"]
-    assert sink["<busy>"] == 7 and sink["<waiting>"] == 5 and sink["Sink._on_ready (sink.py)"] == 7
+    busy = profile["decode", "rd2h-sink"]
+    assert busy["<busy>"] == 7 and busy["<waiting>"] == 5 and busy["Sink._on_ready (sink.py)"] == 7
     assert profile["prefill", "MainThread"]["Source.layer_ready (source.py)"] == 3
 
 

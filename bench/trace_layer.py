@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+import itertools
 
 _EVENTS: list[tuple[str, int]] = []
 
@@ -42,10 +43,10 @@ def _wrap(cls: Any, name: str, tag: str) -> None:
 
 def _prefill(port: int, layers: int, out: Any, go: Any) -> None:
     import numpy as np
+    from rd2h_zmq import sockets
 
     from rd2h import gate, source
     from rd2h.api import KVSource, LayerTensors, host_buffer
-    from rd2h_zmq import sockets
 
     _wrap(source.Source, "layer_ready", "P main: layer_ready")
     _wrap(source.Source, "_announce", "P source: announce")
@@ -102,7 +103,7 @@ def trace(layers: int, port: int = 7900) -> dict[str, float]:
     offsets: dict[str, list[float]] = {}
     for lo, hi in zip(starts[layers // 10:], starts[layers // 10 + 1:]):  # warm layers, whole cycles
         cycle = [e for e in events if lo <= e[1] < hi]
-        for (_, t0), (tag, t1) in zip(cycle, cycle[1:]):
+        for (_, t0), (tag, t1) in itertools.pairwise(cycle):
             gaps.setdefault(tag, []).append((t1 - t0) / 1e3)
             offsets.setdefault(tag, []).append((t1 - lo) / 1e3)
         gaps.setdefault("whole cycle", []).append((hi - lo) / 1e3)

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from rd2h.cli.benchmark import CaseResult
 
-__all__ = ["machine", "progress_bar", "format_case", "write_results", "plot_cases", "headline_ratios"]
+__all__ = ["format_case", "headline_ratios", "machine", "plot_cases", "progress_bar", "write_results"]
 
 _DISTRIBUTIONS = ("rd2h", "numpy", "pyzmq", "rd2h-local", "rd2h-mooncake", "mooncake-transfer-engine-non-cuda",
                   "rd2h-nixl", "nixl-cu12", "nixl", "rd2h-memfabric", "memfabric-hybrid", "matplotlib")
@@ -60,7 +60,13 @@ def progress_bar(total: int, stream: TextIO | None = None) -> tuple[AbstractCont
     by one timed pass."""
     stream = stream if stream is not None else sys.stderr
     try:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
     except ImportError:
         done = [0]
 
@@ -113,9 +119,9 @@ def headline_ratios(result: CaseResult) -> dict[str, float]:
 
 def format_case(result: CaseResult, repeat: int) -> str:
     c = result.case
-    lines = [f"{c['label']}: {c['layers']} layers x {c['descriptors_per_layer']} descriptors "
+    lines = [(f"{c['label']}: {c['layers']} layers x {c['descriptors_per_layer']} descriptors "
              f"({c['layer_bytes'] / 2**20:.1f} MiB a layer, {c['total_bytes'] / 2**30:.2f} GiB a pass), "
-             f"median of {repeat} interleaved passes"]
+             f"median of {repeat} interleaved passes")]
     lines.append(f"  {'method':<16}{'GB/s':>7}  passes")
     for m, values in result.samples.items():
         lines.append(f"  {m:<16}{result.median(m):>7.2f}  " + " ".join(f"{v:.2f}" for v in values))

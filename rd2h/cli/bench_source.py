@@ -29,7 +29,7 @@ import numpy as np
 
 from rd2h.tensors import host_buffer
 
-__all__ = ["MEMORY_KINDS", "SourceProcess", "pool", "fill_pattern"]
+__all__ = ["MEMORY_KINDS", "SourceProcess", "fill_pattern", "pool"]
 
 MEMORY_KINDS = ("shared", "thp")
 _HELLO = "rd2h-bench-source: "

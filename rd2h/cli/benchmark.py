@@ -22,6 +22,7 @@ per-pass ratios (both methods timed in the same pass).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,7 +37,7 @@ from rd2h import plugins
 from rd2h.cli.bench_source import SourceProcess, fill_pattern, pool
 from rd2h.interfaces import Region
 
-__all__ = ["Layout", "make_layout", "Case", "Method", "CaseResult", "measure_case", "available_engines"]
+__all__ = ["Case", "CaseResult", "Layout", "Method", "available_engines", "make_layout", "measure_case"]
 
 I64 = np.int64
 SFA_LAYERS = 61  # DeepSeek-V3.2
@@ -145,7 +146,7 @@ class Method:
 
 def _split(n: int, parts: int) -> list[slice]:
     edges = np.linspace(0, n, parts + 1).astype(int)
-    return [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+    return [slice(int(a), int(b)) for a, b in itertools.pairwise(edges)]
 
 
 def _on_threads(threads: int, per_layer: Sequence[Sequence[Callable[[], None]]]) -> tuple[Callable[[], None], Callable[[], None]]:

@@ -100,7 +100,14 @@ def _reexec_under_kit() -> None:
 def run(args: argparse.Namespace) -> int:
     if args.memfabric_kit and not os.environ.get("RD2H_BENCH_UNDER_KIT"):
         _reexec_under_kit()
-    from rd2h.cli.bench_report import format_case, headline_ratios, machine, plot_cases, progress_bar, write_results
+    from rd2h.cli.bench_report import (
+        format_case,
+        headline_ratios,
+        machine,
+        plot_cases,
+        progress_bar,
+        write_results,
+    )
     from rd2h.cli.benchmark import Case, available_engines, make_layout, measure_case
 
     sizes = _FULL if args.full else _SHORT
