@@ -267,7 +267,10 @@ def verify(name: str, token: bytes, pid: int, deadline: float) -> Proof:
                 f"the metadata names process {pid}, but process {owner} answers its proof socket: "
                 "refused (a peer may name only its own memory)"
             )
-        sock.sendall(token)
+        try:
+            sock.sendall(token)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused at once (too many readers): its reason is waiting to be read
         (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size, deadline))
         if size > _MAX_REPLY:
             raise TransferError(f"the Prefill's proof reply of {size} bytes is too big")
