@@ -94,3 +94,11 @@ def test_trace_layer_times_every_hop() -> None:
     steps = trace_layer.trace(layers=40, port=7795)
     assert {"D sink: plan <", "D sink: read <", "P source: gate released >", "whole cycle"} <= set(steps)
     assert steps["whole cycle"] > 0
+
+
+def test_mapping_path_copies_right(tmp_path: Path) -> None:
+    import mapping_path
+
+    out = tmp_path / "mapping.json"
+    assert mapping_path.main(["--layers", "2", "--layer-mib", "0.5", "--repeat", "1", "--json", str(out)]) == 0
+    assert set(json.loads(out.read_text())["ratios"]) >= {"mapped copy 2t / memcpy 2t", "mapped copy 2t / local 2t"}
