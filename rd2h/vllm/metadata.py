@@ -9,12 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["RecvSpec", "SendBlocks", "SendFinish", "SendSpec", "StepMetadata", "WorkerReport"]
+try:  # vLLM 0.32: workers report back to the scheduler each step
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorWorkerMetadata,
+    )
+
+    WORKER_REPORTS = True
+except ImportError:  # pragma: no cover - older vLLM: the rendezvous goes out one step later
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        pass
+
+    WORKER_REPORTS = False
+
+__all__ = ["WORKER_REPORTS", "RecvSpec", "SendBlocks", "SendFinish", "SendSpec", "StepMetadata", "WorkerReport"]
 
 Groups = tuple[tuple[int, ...], ...]  # block ids per KV cache group
 
@@ -68,6 +78,7 @@ class StepMetadata(KVConnectorMetadata):
     send_blocks: tuple[SendBlocks, ...] = ()
     computed: tuple[tuple[str, int], ...] = ()  # ext id -> prompt tokens cached after this step
     send_finish: tuple[SendFinish, ...] = ()
+    send_abort: tuple[str, ...] = ()  # ext ids preempted mid-send: stop, never report them
 
     @property
     def sends(self) -> bool:

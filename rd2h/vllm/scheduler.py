@@ -24,6 +24,7 @@ from rd2h.endpoint import DecodeEndpoint
 from rd2h.topology import base_port
 from rd2h.vllm.config import ConnectorConfig
 from rd2h.vllm.metadata import (
+    WORKER_REPORTS,
     Groups,
     RecvSpec,
     SendBlocks,
@@ -57,6 +58,9 @@ class _Recv:
     url: str | None
     body: dict[str, Any]
     posted: bool = False
+    # a vLLM without worker reports: the step that carried it came back (on every worker:
+    # vLLM gathers all workers' outputs before this update)
+    sent_to_workers: bool = False
 
 
 @dataclass
@@ -141,10 +145,10 @@ class RD2HScheduler:
         expected = report.expected if isinstance(report, WorkerReport) else {}
         for req_id in list(output.finished_recving or ()):
             self._recv.pop(req_id, None)
-        if not expected:
-            return
         for recv in self._recv.values():
-            if not recv.posted and expected.get(recv.ext_id, 0) >= self.world_size:
+            if recv.posted:
+                continue
+            if expected.get(recv.ext_id, 0) >= self.world_size or (not WORKER_REPORTS and recv.sent_to_workers):
                 recv.posted = True
                 self._post(recv)
 
@@ -183,17 +187,31 @@ class RD2HScheduler:
             )
             computed.append(self._computed(send, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        send_abort: list[str] = []
         for i, req_id in enumerate(cached.req_ids):
             send = self._send.get(req_id)
             if send is None or send.done or not send.started:
+                continue
+            if req_id in resumed:
+                # preempted: vLLM freed its blocks and gives it new ones; what was announced
+                # is gone. Stop it (Decode fails it); its blocks are vLLM's to free again.
+                log.error("request %s was preempted while its KV was being sent; it fails", send.ext_id)
+                del self._send[req_id]
+                send_abort.append(send.ext_id)
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None and any(new_ids):
                 send_blocks.append(SendBlocks(send.ext_id, _groups(new_ids)))
             computed.append(self._computed(send, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)))
+        for spec in self._recv_new:
+            recv = self._recv.get(spec.req_id)
+            if recv is not None:
+                recv.sent_to_workers = True
         meta = StepMetadata(
             recv=tuple(self._recv_new), recv_abort=tuple(self._recv_abort), send_new=tuple(send_new),
             send_blocks=tuple(send_blocks), computed=tuple(computed), send_finish=tuple(self._send_finish),
+            send_abort=tuple(send_abort),
         )
         self._recv_new, self._recv_abort, self._send_finish = [], [], []
         return meta

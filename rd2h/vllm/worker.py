@@ -115,6 +115,7 @@ class RD2HWorker:
         self._send_req: dict[str, str] = {}  # ext id -> req id (Prefill)
         self._sent: dict[str, Outcome] = {}  # outcomes whose request vLLM has not finished yet
         self._finishing: set[str] = set()  # ext ids vLLM finished, outcome not yet in
+        self._forget: set[str] = set()  # ext ids aborted on preemption: outcome not reported
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -198,6 +199,13 @@ class RD2HWorker:
         if self._sends:
             for ext_id, error in self.source.schedule(dict(meta.computed)).items():
                 log.error("Prefill rank %d: %s not scheduled: %s", self.rank, ext_id, error)
+        for ext_id in meta.send_abort:
+            self._forget.add(ext_id)
+            self._send_req.pop(ext_id, None)
+            try:
+                self.source.abort(ext_id)
+            except UnknownRequestError:
+                pass
         for finish in meta.send_finish:
             self._finishing.add(finish.ext_id)
             if finish.aborted:
@@ -237,7 +245,11 @@ class RD2HWorker:
                     self._corrupt(*where)
                 self._finished_recving.add(req_id)
         if self.source is not None:
-            self._sent.update(self._take_sent())
+            for ext_id, outcome in self._take_sent().items():
+                if ext_id in self._forget:  # preempted: vLLM owns its blocks again
+                    self._forget.discard(ext_id)
+                else:
+                    self._sent[ext_id] = outcome
             for ext_id in list(self._finishing):
                 outcome = self._sent.pop(ext_id, None)
                 if outcome is None:

@@ -172,3 +172,24 @@ def test_requests_without_rd2h_params_are_untouched(model: Path) -> None:
         meta = meta_of(out)
         assert not (meta.recv or meta.send_new or meta.computed)
         scheduler.connector.shutdown()
+
+
+def test_prefill_preempted_mid_send_is_stopped_and_never_reported(model: Path) -> None:
+    scheduler, _ = make_scheduler(model, "kv_producer", batched=128)
+    ours = scheduler.connector.scheduler
+    req = "cmpl-8-0-abcdef12"
+    scheduler.add_request(make_request(req, 290, prefill_params("r8"), max_tokens=1))
+    out = scheduler.schedule()
+    assert meta_of(out).send_new
+    scheduler.update_from_output(out, runner_output(out))
+    build = ours.build_connector_meta
+
+    def preempted(scheduler_output: Any) -> StepMetadata:  # as vLLM marks a resumed request
+        scheduler_output.scheduled_cached_reqs.resumed_req_ids.add(req)
+        return build(scheduler_output)
+
+    ours.build_connector_meta = preempted
+    meta = meta_of(scheduler.schedule())
+    assert meta.send_abort == ("r8-0",) and not meta.computed
+    ours.build_connector_meta = build
+    assert ours.request_finished(scheduler.requests[req], ([],)) == (False, None)  # vLLM frees it

@@ -274,3 +274,17 @@ def test_sfa_prefill_tp1_to_decode_tp2_shared_main_pool() -> None:
     finally:
         for w in prefills + decodes:
             w.close()
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_prefill_send_aborted_on_preemption_is_not_reported(pair) -> None:
+    prefill, _, src, _, endpoint = pair
+    run_prefill(prefill, src, [
+        StepMetadata(send_new=(SendSpec("r-7", "p-req", endpoint, ((0, 1),), 64, 0),), computed=(("r-7", 32),)),
+        StepMetadata(send_abort=("r-7",)),
+    ])
+    deadline = time.monotonic() + 40
+    while "r-7" in prefill._forget:  # its outcome arrives and is dropped
+        assert time.monotonic() < deadline
+        assert prefill.transfer_results() == (set(), set(), set())
+        threading.Event().wait(0.01)
