@@ -30,6 +30,7 @@ from rd2h import plugins
 from rd2h.clock import Clock, monotonic
 from rd2h.errors import ConfigError
 from rd2h.layout import LayerLayout
+from rd2h.peer_limits import PeerLimits
 from rd2h.sink import MainSplit, Sink
 from rd2h.source import DecodeEndpoint, Source
 from rd2h.tensors import LayerTensors, host_buffer, layer_layout, record_event, tensor_layout
@@ -44,6 +45,7 @@ __all__ = [
     "TerminalState",
     "Outcome",
     "MainSplit",
+    "PeerLimits",
     "tensor_layout",
     "layer_layout",
     "record_event",
@@ -76,7 +78,10 @@ class KVSink(Sink):
     BackendNotFoundError / BackendUnavailableError for an engine or channel that cannot
     be loaded. ``endpoint`` is what Prefill needs to reach this Decode instance: it names
     ``advertise_host`` (default ``host``), so a sink may bind ``0.0.0.0`` and advertise the
-    address peers route to. ``main_split``, ``request_timeout``: see :class:`~rd2h.sink.Sink`.
+    address peers route to. ``main_split``, ``request_timeout``, ``peer_limits``: see
+    :class:`~rd2h.sink.Sink`. The zmq channel refuses a host other than loopback without
+    CurveZMQ keys in ``channel_options`` unless they say ``allow_insecure=True``
+    (docs/security.md).
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class KVSink(Sink):
         advertise_host: str | None = None,
         main_split: MainSplit | str = MainSplit.SHARED,
         request_timeout: float | None = 300.0,
+        peer_limits: PeerLimits | None = None,
     ) -> None:
         ports = decode_ports(kv_port, dp_rank, tp_size)  # validates the highest port too
         if not 0 <= rank < tp_size:
@@ -116,7 +122,7 @@ class KVSink(Sink):
                 super().__init__(
                     rank=rank, tp_size=tp_size, engine=transfer, listener=listener,
                     layers=_layouts(layers), accept_legacy=accept_legacy,
-                    main_split=main_split, request_timeout=request_timeout,
+                    main_split=main_split, request_timeout=request_timeout, peer_limits=peer_limits,
                 )
         self.start()
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from rd2h.errors import ConfigError
+from rd2h import protocol
+from rd2h.errors import ConfigError, ProtocolError
 
 __all__ = ["PeerLimits", "PeerBook", "Oversized", "oversized_readiness"]
 
@@ -122,6 +123,21 @@ class Oversized:
     layer_name: str
     ext_ids: tuple[str, ...]
     ids: int  # block ids counted (main and indexer)
+
+    def refusal(self, limit: int) -> ProtocolError:
+        return ProtocolError(
+            f"readiness of layer {self.layer_idx} names {self.ids} block ids, above this Decode's "
+            f"max_ids_per_message={limit}: split the step, or raise the limit on Decode"
+        )
+
+    def as_batch(self) -> protocol.ReadReadyBatch | None:
+        """The readiness with its id lists left out, to refuse it request by request; None
+        if even its header is invalid."""
+        try:
+            reqs = tuple(protocol.ReadRequest(e, (), (), 0, 0) for e in self.ext_ids)
+            return protocol.ReadReadyBatch(self.layer_idx, self.layer_name, reqs, ())
+        except (TypeError, ValueError):
+            return None
 
 
 def _array_length(data: bytes, pos: int) -> int | None:

@@ -465,17 +465,10 @@ class Sink:
     def _refuse_oversized(self, identity: bytes, over: Oversized) -> None:
         """Refuse a readiness naming too many ids, per request, without decoding its ids."""
         self.counters.oversized += 1
-        limit = self._book.limits.max_ids_per_message
-        error = ProtocolError(
-            f"readiness of layer {over.layer_idx} names {over.ids} block ids, above this Decode's "
-            f"max_ids_per_message={limit}: split the step, or raise the limit on Decode"
-        )
+        error = over.refusal(self._book.limits.max_ids_per_message)
         log.warning("rank %d: refused %r: %s", self.rank, identity, error)
-        try:
-            stub = protocol.ReadReadyBatch(
-                over.layer_idx, over.layer_name, tuple(protocol.ReadRequest(e, (), (), 0, 0) for e in over.ext_ids), ()
-            )
-        except (TypeError, ValueError):  # not even its header is valid: nothing to answer
+        stub = over.as_batch()
+        if stub is None:  # not even its header is valid: nothing to answer
             self.counters.malformed += 1
             return
         with self._changed:

@@ -170,3 +170,11 @@ def test_a_readiness_naming_too_many_ids_is_refused_per_request_before_decoding(
     ok = protocol.ReadRequest("small", (3,), (3,), 0, 0)
     assert isinstance(world.ready(sock, protocol.encode(protocol.ReadReadyBatch(0, "l0", (ok,), ()))), protocol.ReadDone)
     assert np.array_equal(world.dst["l0"].main[0][2], world.src["l0"].main[0][3])
+
+
+def test_kvsink_takes_peer_limits(kv_port: int) -> None:
+    from rd2h.api import KVSink
+
+    dst = {name: layer_tensors(False) for name in LAYERS}
+    with KVSink(dst, kv_port=kv_port, peer_limits=PeerLimits(max_ids_per_message=7)) as sink:
+        assert sink._book.limits.max_ids_per_message == 7
