@@ -11,7 +11,10 @@ one more pidfd per handshake, and the sink there takes no ``peer_limits``.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,17 +47,18 @@ def pidfds() -> int:
 
 
 class World:
-    def __init__(self, limits: PeerLimits, clock: ManualClock) -> None:
+    def __init__(self, limits: PeerLimits, clock: ManualClock, **sink_options: Any) -> None:
         self.src = {name: layer_tensors(True, seed=i) for i, name in enumerate(LAYERS)}
         self.dst = {name: layer_tensors(False) for name in LAYERS}
         self.engine = plugins.load_engine("local", "prefill")
         self.layouts = {name: layer_layout(t) for name, t in self.src.items()}
         self.metadata = self.engine.register([r for lay in self.layouts.values() for r in lay.regions()])
-        listener = plugins.load_channel("zmq").listen("tcp://127.0.0.1:0")
+        channel_options = sink_options.pop("channel_options", {})
+        listener = plugins.load_channel("zmq", **channel_options).listen("tcp://127.0.0.1:0")
         self.sink = Sink(
             rank=0, tp_size=1, engine=plugins.load_engine("local", "decode"), listener=listener,
             layers={name: layer_layout(t) for name, t in self.dst.items()}, clock=clock,
-            poll_seconds=0.02, liveness_seconds=0.0, peer_limits=limits,
+            poll_seconds=0.02, liveness_seconds=0.0, peer_limits=limits, **sink_options,
         )  # fmt: skip
         self.context = zmq.Context()
 
@@ -178,3 +182,42 @@ def test_kvsink_takes_peer_limits(kv_port: int) -> None:
     dst = {name: layer_tensors(False) for name in LAYERS}
     with KVSink(dst, kv_port=kv_port, peer_limits=PeerLimits(max_ids_per_message=7)) as sink:
         assert sink._book.limits.max_ids_per_message == 7
+
+
+def test_a_peer_that_never_reads_its_replies_does_not_slow_another(clock: ManualClock) -> None:
+    """D2 at the runtime: a real zmq peer announces 200 layers and never reads a reply. On
+    87b7601 each reply past its full queue blocked Decode's only loop for 5 s (a valid
+    request of another peer took 23 s). Now the loop handles them all at once, dropping the
+    replies it cannot queue, and the other peer's request goes through as fast as ever."""
+    handled = threading.Event()
+    count = [0]
+
+    def on_layer(stat: object) -> None:
+        count[0] += 1
+        if count[0] == 200:
+            handled.set()
+
+    world = World(PeerLimits(), clock, on_layer=on_layer, channel_options={"high_water_mark": 2})
+    world.sink.start()
+    try:
+        stuck = world.dealer()
+        stuck.rcvhwm = 1
+        stuck.rcvbuf = 4096
+        world.handshake(stuck)  # its last read
+        reqs = tuple(protocol.ReadRequest(f"{i:04d}" + "x" * 400, (0,), (0,), 0, 0) for i in range(200))
+        frame = protocol.encode(protocol.ReadReadyBatch(0, "l0", reqs, ()))  # ~80 KiB of reply each
+        for _ in range(200):
+            stuck.send(frame)
+        assert handled.wait(30), f"Decode's loop is stalled: {count[0]} of 200 handled"
+        assert world.sink._listener.dropped > 0  # replies the stuck peer's queue could not take
+        good = world.dealer()
+        started = time.monotonic()
+        world.handshake(good)
+        world.sink.expect("r", [3])
+        ok = (protocol.ReadRequest("r", (1,), (1,), 0, 0),)
+        assert isinstance(world.ready(good, protocol.encode(protocol.ReadReadyBatch(0, "l0", ok, ()))), protocol.ReadDone)
+        assert isinstance(world.ready(good, protocol.encode(protocol.ReadReadyBatch(1, "l1", ok, ("r",)))), protocol.ReadDone)
+        assert time.monotonic() - started < 3.0
+        assert world.sink.wait(["r"], 10)["r"].state is TerminalState.DONE
+    finally:
+        world.close()
