@@ -62,7 +62,7 @@ def run_prefill(prefill: RD2HWorker, src: dict, steps: list[StepMetadata]) -> No
         prefill.step_done()
 
 
-def results(prefill: RD2HWorker, decode: RD2HWorker, timeout: float = 20.0) -> tuple[set, set, set]:
+def results(prefill: RD2HWorker, decode: RD2HWorker, timeout: float = 60.0) -> tuple[set, set, set]:
     """Poll both workers as vLLM does each step, until each reported something (bounded)."""
     sending: set[str] = set()
     recving: set[str] = set()
@@ -198,7 +198,7 @@ def _workers(config: ConnectorConfig, *, role: str, tp: int, caches: list[dict],
     return workers
 
 
-def _settle(prefills: list[RD2HWorker], decodes: list[RD2HWorker], timeout: float = 20.0) -> tuple[list, list]:
+def _settle(prefills: list[RD2HWorker], decodes: list[RD2HWorker], timeout: float = 60.0) -> tuple[list, list]:
     sent: list[set] = [set() for _ in prefills]
     got: list[set] = [set() for _ in decodes]
     deadline = time.monotonic() + timeout
