@@ -42,7 +42,7 @@ OPTIONS: dict[str, Any] = {
 DISTRIBUTIONS = {"mooncake": "mooncake-transfer-engine-non-cuda", "nixl": "nixl-cu12"}
 
 
-def iperf3(hosts: TwoHosts, seconds: float) -> float:
+def iperf3(hosts: TwoHosts, seconds: int) -> float:
     """GB/s received in the Decode namespace from one TCP stream out of the Prefill namespace."""
     server = subprocess.Popen(
         hosts.command(hosts.decode, ["iperf3", "-s", "-1", "-B", hosts.decode_addr]),
@@ -80,7 +80,7 @@ def engine_run(hosts: TwoHosts, engine: str, args: argparse.Namespace) -> dict[s
     return {"read_gbps": result.read_gbps, "end_to_end_gbps": result.gbps, "bytes": result.bytes}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default="mooncake,nixl")
     parser.add_argument("--layers", type=int, default=16)
@@ -88,9 +88,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=64, help="tokens per block (64: 64 KiB main blocks)")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--iperf-seconds", type=float, default=2.0)
+    parser.add_argument("--iperf-seconds", type=int, default=2, help="whole seconds (iperf3 3.12 hangs on -t 0.5)")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     reason = why_not()
     if reason:
         raise SystemExit(f"cross_host: {reason}")
@@ -98,7 +98,7 @@ def main() -> int:
     os.environ["UCX_NET_DEVICES"] = DEVICE  # UCX: only the veth, never loopback
     runs: dict[str, list[dict[str, float]]] = {e: [] for e in engines}
     link: list[float] = []
-    with TwoHosts(f"b{os.getpid() % 100000}", 250) as hosts:
+    with TwoHosts(f"b{os.getpid() % 100000}", 250 + os.getpid() % 5) as hosts:
         for _ in range(args.repeat):  # interleaved, so drift hits every row alike
             link.append(iperf3(hosts, args.iperf_seconds))
             for engine in engines:

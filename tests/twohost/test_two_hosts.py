@@ -202,3 +202,16 @@ def test_each_side_gets_its_own_engine_options_over_the_shared_ones() -> None:
     )  # fmt: skip
     assert config.options_for("prefill") == {"timeout": 5, "hostname": "10.231.9.1"}
     assert config.options_for("decode") == {"timeout": 5, "hostname": "10.0.0.9", "extra": 1}
+
+
+def test_bench_cross_host_runs_once_at_a_tiny_size(hosts: TwoHosts, tmp_path: Path) -> None:
+    """bench/cross_host.py (its own namespaces) completes, verifies and writes its JSON."""
+    out = tmp_path / "cross.json"
+    argv = [sys.executable, str(HERE.parents[1] / "bench" / "cross_host.py"), "--repeat", "1", "--layers", "2",
+            "--requests", "1", "--max-tokens", "256", "--iperf-seconds", "1", "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["iperf3_gbps"]["median"] > 0
+    assert set(report["engines"]) == {"mooncake", "nixl"}
+    assert all(e["read_gbps"] > 0 and e["runs"][0]["bytes"] > 0 for e in report["engines"].values())
