@@ -42,6 +42,7 @@ after ``failure_bound_s`` instead of hanging the run.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import time
 import warnings
@@ -357,10 +358,8 @@ class EngineConformance:
         peer did not register is refused at connect, before any byte moves."""
         if not type(reader.engine).capabilities & Capability.PROVES_PEER:
             pytest.skip(f"{self.engine_name} declares it cannot tell who produced metadata (no PROVES_PEER)")
-        import os
-
         for what, blob in self.forged_metadata(peer.metadata, os.getpid()).items():
-            exc, _ = _within(self.failure_bound_s, lambda: reader.engine.connect(blob))
+            exc, _ = _within(self.failure_bound_s, lambda blob=blob: reader.engine.connect(blob))
             assert isinstance(exc, TransferError), f"{what}: connect should raise TransferError, got {exc!r}"
         reader.engine.connect(peer.metadata).close()  # the genuine metadata still connects
 
