@@ -337,7 +337,7 @@ def measure_case(
                 samples[m.name].append(layout.total_bytes / (time.perf_counter() - started) / 1e9)
                 if progress is not None:
                     progress(m.name)
-    info = {"label": case.label, "memory": case.memory, "dest_memory": case.dest_memory or case.memory, **asdict(layout),
-            "layer_bytes": layout.layer_bytes, "total_bytes": layout.total_bytes,
+    info = {"label": case.label, "memory": case.memory, "dest_memory": case.dest_memory or case.memory,
+            **asdict(layout), "layer_bytes": layout.layer_bytes, "total_bytes": layout.total_bytes,
             "descriptors_per_layer": layout.descriptors}
     return CaseResult(info, samples, {m.name: m.kind for m in methods}, skipped)

@@ -186,7 +186,7 @@ def _decode_into(config: DemoConfig, rank: int, pool: memoryview, events: Any, g
     }
     with KVSink(
         layers, rank=rank, tp_size=config.decode_tp, host=config.host, kv_port=config.kv_port,
-        engine=config.engine, engine_options=config.options_for("decode"), channel_options=dict(config.channel_options),
+        engine=config.engine, engine_options=config.options_for("decode", len(os.sched_getaffinity(0))), channel_options=dict(config.channel_options),
     ) as sink:
         for req in work.requests:
             sink.expect(req.ext_id, main_blocks=req.dst_blocks)
