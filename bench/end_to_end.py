@@ -59,7 +59,7 @@ def standalone(layer_mib: float, repeat: int) -> dict[str, float]:
     from rd2h.cli.benchmark import Case, EngineSpec, make_layout, measure_case
 
     case = Case(make_layout("sfa", 64, layer_mib, layers=12), "thp", dest_memory="shared")
-    r = measure_case(case, [EngineSpec("local")], threads=(1, 2), repeat=repeat)
+    r = measure_case(case, [EngineSpec("local", threads=(1, 2))], threads=(1, 2), repeat=repeat)
     return {m: r.median(m) for m in r.samples}
 
 
@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_big:
             ratios[f"big {label}: read_gbps / memcpy 2t"] = med(
                 lambda r, k=f"big {label}": r[k]["read_gbps"] / r["standalone"]["memcpy 2t"])
-            ratios[f"big {label}: read_gbps / standalone local 2t"] = med(
-                lambda r, k=f"big {label}": r[k]["read_gbps"] / r["standalone"]["local"])
+            for t in ("1t", "2t"):
+                ratios[f"big {label}: read_gbps / standalone local {t}"] = med(
+                    lambda r, k=f"big {label}", t=t: r[k]["read_gbps"] / r["standalone"][f"local {t}"])
     if args.baseline:
         ratios["tiny: layer p50 baseline / now"] = med(
             lambda r: r["tiny baseline"]["layer_latency_p50_ms"] / r["tiny now"]["layer_latency_p50_ms"])
