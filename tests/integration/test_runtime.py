@@ -206,3 +206,20 @@ def test_take_finished_reports_each_request_once(kv_port: int) -> None:
             time.sleep(0.01)
         assert list(taken) == ["r"] and taken["r"].ok
         assert source.take_finished() == {}
+
+
+def test_a_sink_binds_one_address_and_advertises_another(kv_port: int) -> None:
+    """KVSink(host=...) binds; advertise_host is what its endpoint names for Prefill."""
+    from rd2h.errors import ConfigError
+
+    src, dst = {"l": _tensors(True)}, {"l": _tensors(False)}
+    with pytest.raises(ConfigError, match="advertise_host"):
+        KVSink(dst, host="0.0.0.0", kv_port=kv_port, channel_options={"allow_insecure": True})
+    with KVSink(dst, host="0.0.0.0", advertise_host="127.0.0.1", kv_port=kv_port,
+                channel_options={"allow_insecure": True}) as sink, KVSource(src, block_size=BLOCK) as source:
+        assert sink.endpoint.host == "127.0.0.1" and sink.address.startswith("tcp://0.0.0.0:")
+        sink.expect("r", main_blocks=[3])
+        source.add_request("r", sink.endpoint, main_block_ids=[1], num_tokens=BLOCK)
+        source.send_all({"r": BLOCK})
+        assert sink.wait(["r"], 10)["r"].ok
+    assert _same(dst["l"], src["l"], [3], [1])
