@@ -45,6 +45,7 @@ from rd2h.plan_cache import StepPlans
 from rd2h.planning import LayerPlan, RequestRead
 from rd2h.outcome import Outcome
 from rd2h.peer_limits import Oversized, PeerBook, PeerLimits, oversized_readiness
+from rd2h.readiness import ReadinessDecoder
 from rd2h.receiving import Admission, Destinations, MainSplit, ReceiveTracker, plan_reads
 from rd2h.regions import RegionSet, merge_by_device
 
@@ -151,7 +152,7 @@ class Sink:
         self._peers: dict[bytes, _Peer] = {}  # loop thread only
         self._book = PeerBook(peer_limits or PeerLimits())  # loop thread only; caps and idle peers
         # loop thread only: what a step repeats on every layer is derived once per step
-        self._decoder = protocol.ReadinessDecoder()
+        self._decoder = ReadinessDecoder()
         self._plans = StepPlans()  # a plan is read before the next is built
         self._step_reads: dict[object, tuple[list[RequestRead], dict[str, RD2HError]]] = {}
         self._changed = threading.Condition()  # guards the tracker (user threads vs the loop)

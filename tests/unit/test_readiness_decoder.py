@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from rd2h import protocol as p
 from rd2h.errors import RemoteProtocolError
+from rd2h.readiness import ReadinessDecoder
 
 ids = st.lists(st.integers(0, 2**63 - 1) | st.integers(0, 50), max_size=6).map(tuple)
 reqs = st.lists(st.builds(p.ReadRequest, st.text(min_size=1, max_size=6), ids, ids, st.integers(0, 9), st.integers(0, 9)), max_size=4)
@@ -33,7 +34,7 @@ def _outcome(decode, frame: bytes) -> object:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(readiness_frames(), min_size=1, max_size=4), st.data())
 def test_answers_as_decode_request_whatever_the_order(frames: list[bytes], data: st.DataObject) -> None:
-    decoder = p.ReadinessDecoder(remembered=2)
+    decoder = ReadinessDecoder(remembered=2)
     for _ in range(8):
         frame = data.draw(st.sampled_from(frames))
         if data.draw(st.booleans()):  # mutate one byte: garbage must be refused alike
@@ -44,7 +45,7 @@ def test_answers_as_decode_request_whatever_the_order(frames: list[bytes], data:
 
 def test_a_repeated_read_reqs_is_decoded_once() -> None:
     packed = p.pack_read_reqs([p.ReadRequest("r", (1, 2), (1, 2), 0, 0)])
-    decoder = p.ReadinessDecoder()
+    decoder = ReadinessDecoder()
     first = decoder.decode(p.encode_readiness(0, "l0", packed))
     second = decoder.decode(p.encode_readiness(1, "l1", packed, ("r",)))
     assert second.read_reqs is first.read_reqs  # the same objects: not decoded again
@@ -53,7 +54,7 @@ def test_a_repeated_read_reqs_is_decoded_once() -> None:
 
 
 def test_other_messages_and_bad_small_fields_are_refused_as_decode_request_does() -> None:
-    decoder = p.ReadinessDecoder()
+    decoder = ReadinessDecoder()
     packed = p.pack_read_reqs([p.ReadRequest("r", (1,), (1,), 0, 0)])
     decoder.decode(p.encode_readiness(0, "l0", packed))
     bad_member = b"\x97" + msgpack.packb((b"read_ready_batch", 0, "l0"))[1:] + packed + msgpack.packb(((), 5, 2))[1:]
