@@ -109,7 +109,13 @@ class RD2HScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = _params(request)
-        if not (self.consumer and params.get("do_remote_prefill") and PARAMS_KEY in params):
+        if not (self.consumer and params.get("do_remote_prefill")):
+            return 0, False
+        ours = _ours(params, request.request_id, "metaserver")
+        if ours is None:
+            return 0, False
+        if not (ours.get("metaserver") or self.config.metaserver):
+            log.error("request %s: no metaserver to post its rendezvous to; computed here", request.request_id)
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -165,11 +171,13 @@ class RD2HScheduler:
     def _track_send(self, request: Any, params: Mapping[str, Any]) -> None:
         if request.request_id in self._send:
             return
-        ours = params[PARAMS_KEY]
-        ext_id = ext_id_of(ours, request.request_id)
+        ours = _ours(params, request.request_id, "targets")
+        if ours is None:  # computed as asked, nothing sent: Decode fails it on its deadline
+            return
         target = ours["targets"][str(child_index(ours, request.request_id))]
         self._send[request.request_id] = _Send(
-            ext_id, target["endpoint"], int(target.get("first_block", 0)), len(request.prompt_token_ids)
+            ext_id_of(ours, request.request_id), target["endpoint"], int(target.get("first_block", 0)),
+            len(request.prompt_token_ids),
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
@@ -250,4 +258,24 @@ class RD2HScheduler:
 
 def _params(request: Any) -> Mapping[str, Any]:
     return getattr(request, "kv_transfer_params", None) or {}
+
+
+def _ours(params: Mapping[str, Any], req_id: str, needs: str) -> Mapping[str, Any] | None:
+    """Our part of a request's ``kv_transfer_params`` when it is well formed, else None
+    (logged): a client's malformed parameters must never raise inside vLLM's scheduler."""
+    ours = params.get(PARAMS_KEY)
+    try:
+        if not isinstance(ours, Mapping) or not isinstance(ours.get("id"), str):
+            raise TypeError(f"{PARAMS_KEY!r} must be an object with a string 'id'")
+        child = child_index(ours, req_id)
+        if needs == "targets":
+            target = ours["targets"][str(child)]
+            DecodeEndpoint.parse(target["endpoint"])
+            int(target.get("first_block", 0))
+        elif needs == "metaserver" and not isinstance(ours.get("metaserver", ""), str):
+            raise ValueError("'metaserver' must be a URL")
+    except (KeyError, TypeError, ValueError) as exc:
+        log.error("request %s: ignoring malformed kv_transfer_params %r: %s", req_id, params.get(PARAMS_KEY), exc)
+        return None
+    return ours
 

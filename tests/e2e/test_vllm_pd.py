@@ -101,6 +101,19 @@ def test_streaming_passes_through(cluster: Any, baseline: list[list[int]]) -> No
     assert tokens == baseline[2]
 
 
+def test_chat_completions_pass_through(cluster: Any) -> None:
+    import httpx
+
+    cluster.ensure()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    answers = [httpx.post(cluster.url(p) + "/v1/chat/completions", json=body, timeout=120) for p in ("prefill", "proxy")]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    direct, proxied = (a.json()["choices"][0] for a in answers)
+    assert proxied["message"]["content"] == direct["message"]["content"]
+    assert last_record(cluster)["status"] == 200
+
+
 def test_prefix_cache_hit_pulls_only_the_tail(cluster: Any) -> None:
     cluster.ensure()
     prompt = "kalomi " + LONG  # not seen by Decode before this test

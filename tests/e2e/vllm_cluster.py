@@ -35,6 +35,7 @@ ENGINE_ENV = {
 ENGINE_ARGS = [
     "--enforce-eager", "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",
     "--max-num-batched-tokens", "128", "--max-num-seqs", "8", "--seed", "0", "--served-model-name", "tiny",
+    "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",  # the tiny model has none
 ]
 
 

@@ -24,10 +24,13 @@ class Engines:
         self.proxy, self.prefill_fails = proxy, prefill_fails
         self.prefill_bodies: list[dict[str, Any]] = []
         self.decode_bodies: list[dict[str, Any]] = []
+        self.decode_hosts: list[str] = []
         self.prefilled = asyncio.Event()
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
+        if request.url.host == "down":
+            raise httpx.ConnectError("connection refused")
         if request.url.host == "prefill":
             self.prefill_bodies.append(body)
             if self.prefill_fails:
@@ -35,6 +38,7 @@ class Engines:
             self.prefilled.set()
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
         self.decode_bodies.append(body)
+        self.decode_hosts.append(request.url.host)
         ours = body["kv_transfer_params"]["rd2h"]
         for child in range(ours["children"]):
             answer = await self.proxy.post(ours["metaserver"], json={
@@ -45,9 +49,9 @@ class Engines:
         return httpx.Response(200, json={"choices": [{"index": i, "text": "decoded"} for i in range(ours["children"])]})
 
 
-def run(coro_fn: Any, *, prefill_fails: bool = False) -> Any:
+def run(coro_fn: Any, *, prefill_fails: bool = False, decode: tuple[str, ...] = (DECODE,)) -> Any:
     async def main() -> Any:
-        app = create_app(ProxyConfig(prefill=[PREFILL], decode=[DECODE], retries=1, backoff=0.01))
+        app = create_app(ProxyConfig(prefill=[PREFILL], decode=list(decode), retries=1, backoff=0.01))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
             engines = Engines(client, prefill_fails=prefill_fails)
             app.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
@@ -104,3 +108,26 @@ def test_metaserver_refuses_unknown_ids_and_bad_bodies() -> None:
 )
 def test_children_of(body: dict[str, Any], path: str, n: int) -> None:
     assert children_of(body, path) == n
+
+
+def test_proxy_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    from rd2h.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["proxy", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--host", "--port", "--prefill", "--decode", "--metaserver-url", "--rendezvous-timeout",
+                   "--request-timeout", "--retries", "--backoff", "--log-level"):
+        assert option in text
+
+
+def test_round_robin_skips_an_instance_that_refuses_connections() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        for _ in range(2):
+            engines.prefilled.clear()
+            response = await client.post("/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 2})
+            assert response.status_code == 200
+        # the first goes to d1; the second meets "down", which refuses, and is retried on d2
+        assert engines.decode_hosts == ["d1", "d2"]
+
+    run(scenario, decode=("http://d1", "http://down", "http://d2"))

@@ -193,3 +193,20 @@ def test_prefill_preempted_mid_send_is_stopped_and_never_reported(model: Path) -
     assert meta.send_abort == ("r8-0",) and not meta.computed
     ours.build_connector_meta = build
     assert ours.request_finished(scheduler.requests[req], ([],)) == (False, None)  # vLLM frees it
+
+
+@pytest.mark.parametrize(
+    "ours",
+    [None, "x", {"id": 3}, {"id": "r", "children": 2}, {"id": "r", "children": "two"},
+     {"id": "r", "targets": {}}, {"id": "r", "targets": {"0": {"endpoint": "nonsense"}}},
+     {"id": "r", "targets": {"0": {"endpoint": "h:1/1", "first_block": "x"}}}],
+)
+def test_malformed_params_never_raise_in_the_scheduler(model: Path, ours: Any) -> None:
+    for role, flag in (("kv_consumer", "do_remote_prefill"), ("kv_producer", "do_remote_decode")):
+        scheduler, _ = make_scheduler(model, role)
+        scheduler.add_request(make_request("cmpl-9-0-abcdef12", 50, {flag: True, "rd2h": ours}))
+        out = scheduler.schedule()  # computed locally, as if no transfer had been asked
+        assert out.num_scheduled_tokens == {"cmpl-9-0-abcdef12": 50}
+        meta = meta_of(out)
+        assert not (meta.recv or meta.send_new)
+        scheduler.connector.shutdown()

@@ -288,3 +288,30 @@ def test_prefill_send_aborted_on_preemption_is_not_reported(pair) -> None:
         assert time.monotonic() < deadline
         assert prefill.transfer_results() == (set(), set(), set())
         threading.Event().wait(0.01)
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_vllm_ascend_hooks_announce_and_gate_layers(pair) -> None:
+    """vllm-ascend calls ``wait_for_layer_send`` before it overwrites a layer and
+    ``on_kv_cache_written`` after; through the connector they gate and announce as
+    ``save_kv_layer`` does, and a second step on the same layer waits for Decode's reply."""
+    from rd2h.vllm.connector import RD2HConnector
+
+    prefill, decode, src, dst, endpoint = pair
+    connector = object.__new__(RD2HConnector)  # a worker-role connector around our worker
+    connector._worker, connector._scheduler, connector._connector_metadata = prefill, None, None
+    decode.bind(StepMetadata(recv=(RecvSpec("r-0", "d-req", ((3, 4),), 0, 64),)))
+    steps = [
+        StepMetadata(send_new=(SendSpec("r-0", "p-req", endpoint, ((0,),), 64, 0),), computed=(("r-0", 32),)),
+        StepMetadata(send_blocks=(SendBlocks("r-0", ((1,),)),), computed=(("r-0", 64),)),
+        StepMetadata(send_finish=(SendFinish("r-0", "p-req", False),)),
+    ]
+    for meta in steps:
+        connector.bind_connector_metadata(meta)
+        for name, tensor in src.items():
+            connector.wait_for_layer_send(name)
+            connector.on_kv_cache_written(name, tensor)
+        connector.clear_connector_metadata()
+    assert results(prefill, decode) == ({"p-req"}, {"d-req"}, set())
+    for name in src:
+        assert torch.equal(dst[name][[3, 4]], src[name][[0, 1]])
