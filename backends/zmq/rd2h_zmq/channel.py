@@ -27,8 +27,9 @@ class ZmqChannel(ControlChannel):
 
     Options (all keyword-only; anything else raises ``ConfigError``):
 
-    ``max_frame_bytes`` (64 MiB)
-        Largest payload sent or accepted. Sending a larger one raises
+    ``max_frame_bytes`` (16 MiB)
+        Largest payload sent or accepted (a readiness of a million block ids, the most a
+        Decode accepts by default, takes under 5 MiB). Sending a larger one raises
         ``FrameTooLargeError``; a peer that sends one is disconnected by libzmq (the frame is
         never delivered, the peer reconnects by itself, others are not affected).
     ``send_timeout`` (5.0 s)
@@ -38,8 +39,10 @@ class ZmqChannel(ControlChannel):
         Frames queued per connection in each direction (a listener may queue fewer, below).
     ``max_queued_bytes`` (256 MiB)
         Memory one peer may fill in a listener's inbound queue: the listener queues at most
-        ``max_queued_bytes // max_frame_bytes`` frames per peer (at least 1); the peer's own
-        queue holds the rest, so a flooding peer pays for its backlog itself.
+        ``max_queued_bytes // max_frame_bytes`` frames per peer (at least 1; 16 by default);
+        the peer's own queue holds the rest, so a flooding peer pays for its backlog itself.
+        Fewer than ~16 slows a saturated stream of small frames (measured: 4 frames, 9 us a
+        frame against 3.6 us with 1000).
     ``allow_insecure`` (False)
         Without CURVE, anyone who reaches a listener is a full Prefill peer, so ``listen``
         refuses any address but loopback (``127.0.0.0/8``, ``::1``, ``localhost``), ``ipc://``
@@ -77,7 +80,7 @@ class ZmqChannel(ControlChannel):
     def __init__(
         self,
         *,
-        max_frame_bytes: int = 64 * MiB,
+        max_frame_bytes: int = 16 * MiB,
         send_timeout: float = 5.0,
         high_water_mark: int = 1000,
         max_queued_bytes: int = 256 * MiB,
