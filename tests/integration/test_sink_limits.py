@@ -221,3 +221,44 @@ def test_a_peer_that_never_reads_its_replies_does_not_slow_another(clock: Manual
         assert world.sink.wait(["r"], 10)["r"].state is TerminalState.DONE
     finally:
         world.close()
+
+
+# Run in a child so that its low fd limit cannot starve this test process.
+_FD_PRESSURE = r"""
+import os, resource, sys
+sys.path.insert(0, sys.argv[1])
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from test_sink_limits import World, PeerLimits, protocol, TerminalState
+from rd2h.clock import ManualClock
+world = World(PeerLimits(), ManualClock())
+world.sink.start()
+for i in range(1000):
+    sock = world.dealer()
+    world.handshake(sock)
+    sock.close()
+last = world.dealer()
+world.handshake(last)
+world.sink.expect("r", [3])
+reqs = (protocol.ReadRequest("r", (1,), (1,), 0, 0),)
+world.ready(last, protocol.encode(protocol.ReadReadyBatch(0, "l0", reqs, ())))
+world.ready(last, protocol.encode(protocol.ReadReadyBatch(1, "l1", reqs, ("r",))))
+assert world.sink.wait(["r"], 10)["r"].state is TerminalState.DONE
+print("fds", len(os.listdir("/proc/self/fd")), flush=True)
+world.close()
+"""
+
+
+def test_a_thousand_handshakes_under_a_256_fd_limit() -> None:
+    """Fault (fd exhaustion), D3: on 87b7601 every handshake kept a pidfd, so a Decode under
+    a 256-fd limit ran out after ~200 handshakes from one process. Now it keeps at most
+    ``max_per_source`` sessions and serves the 1001st peer's request."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        [sys.executable, "-c", _FD_PRESSURE, here], capture_output=True, text=True, timeout=240, cwd=here,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    fds = int(done.stdout.split("fds")[-1])
+    assert fds < 200, f"{fds} fds open after 1,000 handshakes"
