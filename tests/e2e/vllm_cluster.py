@@ -127,11 +127,12 @@ class Cluster:
     """A Prefill engine, a Decode engine and ``rd2h proxy``; engines restart on demand
     with other connector settings (``ensure``)."""
 
-    def __init__(self, model: Path, workdir: Path) -> None:
+    def __init__(self, model: Path, workdir: Path, *, tp: int = 1, env: Mapping[str, str] | None = None) -> None:
         self.model, self.workdir = model, workdir
+        self.tp, self.env = tp, dict(env or {})
         ports = free_base_port(3)
         self.ports = {"prefill": ports, "decode": ports + 1, "proxy": ports + 2}
-        self.kv_port = free_base_port(2)
+        self.kv_port = free_base_port(2 * tp)
         self.procs: dict[str, Process] = {}
         self.extra: dict[str, dict[str, Any]] = {}
         self.starts = 0
@@ -149,9 +150,9 @@ class Cluster:
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.ports[role]), *ENGINE_ARGS,
-            "--kv-transfer-config", json.dumps(config),
+            "--kv-transfer-config", json.dumps(config), "--tensor-parallel-size", str(self.tp),
         ]
-        env = {**ENGINE_ENV, "VLLM_CACHE_ROOT": str(self.workdir / "cache")}
+        env = {**ENGINE_ENV, "VLLM_CACHE_ROOT": str(self.workdir / "cache"), **self.env}
         return Process(role, argv, self.workdir / f"{role}-{self.starts}.log", env)
 
     def ensure(self, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None) -> None:
