@@ -24,7 +24,7 @@ A terminal state absorbs every later event (the first reason is kept).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -46,87 +46,16 @@ from rd2h.errors import (
 )
 from rd2h.layout import LayerLayout
 from rd2h.outcome import Outcome, OutcomeBook, TerminalState
-from rd2h.planning import RequestRead
+from rd2h.shares import Destinations, MainSplit
 from rd2h.statemachine import step
-from rd2h.topology import indexer_share, main_share
 
 __all__ = [
-    "MainSplit",
-    "Destinations",
-    "plan_reads",
     "ReceiveState",
     "Admission",
     "ReceiveTracker",
 ]
 
 Int64Array = npt.NDArray[np.int64]
-
-
-class MainSplit(Enum):
-    """How the Decode TP ranks share a request's main K/V blocks."""
-
-    SHARED = "shared"  # one host pool mapped by every rank: ranks read disjoint shares
-    REPLICATED = "replicated"  # every rank owns a full copy (vLLM's paged cache per rank)
-
-
-@dataclass(frozen=True, slots=True)
-class Destinations:
-    """Where one request lands on this Decode rank: its main and indexer block ids."""
-
-    main: Int64Array
-    indexer: Int64Array
-
-    @classmethod
-    def of(cls, main: Sequence[int] | npt.ArrayLike, indexer: Sequence[int] | npt.ArrayLike | None = None) -> Destinations:
-        main_ids = np.asarray(main, dtype=np.int64).reshape(-1)
-        index_ids = main_ids if indexer is None else np.asarray(indexer, dtype=np.int64).reshape(-1)
-        return cls(main_ids, index_ids)
-
-
-def _slice(ids: Int64Array, lo: int, hi: int, what: str) -> Int64Array:
-    if hi > len(ids):
-        raise BlockRangeError(f"{what} destinations {lo}..{hi} beyond the {len(ids)} blocks expected for it")
-    return ids[lo:hi]
-
-
-def plan_reads(
-    batch: protocol.ReadReadyBatch,
-    destinations: Mapping[str, Destinations],
-    *,
-    decode_rank: int,
-    decode_tp: int,
-    main_split: MainSplit = MainSplit.SHARED,
-) -> tuple[list[RequestRead], dict[str, RD2HError]]:
-    """This rank's share of every request in ``batch`` that has destinations (pure).
-
-    Indexer and scale are split over the ``tp_ratio`` contributors. Main: in ``SHARED``
-    mode only contributor 0 pulls, split over the Decode TP ranks; in ``REPLICATED`` mode
-    every rank reads all of it, split over the contributors like the indexer. Returns the
-    reads and, per request whose destinations are too short, the error.
-    """
-    member, ratio = batch.group_member_idx, batch.tp_ratio
-    reads: list[RequestRead] = []
-    refused: dict[str, RD2HError] = {}
-    for req in batch.read_reqs:
-        dest = destinations.get(req.ext_req_id)
-        if dest is None:
-            continue
-        n_main = len(req.main_block_ids)
-        if main_split is MainSplit.SHARED:
-            m_lo, m_hi = main_share(n_main, req.main_start_block, decode_tp, decode_rank, member)
-        else:
-            m_lo, m_hi = indexer_share(n_main, req.main_start_block, ratio, member)
-        i_lo, i_hi = indexer_share(len(req.indexer_block_ids), req.indexer_start_block, ratio, member)
-        m_start, i_start = req.main_start_block, req.indexer_start_block
-        try:
-            dst_main = _slice(dest.main, m_start + m_lo, m_start + m_hi, f"{req.ext_req_id!r} main")
-            dst_index = _slice(dest.indexer, i_start + i_lo, i_start + i_hi, f"{req.ext_req_id!r} indexer")
-        except BlockRangeError as exc:
-            refused[req.ext_req_id] = exc
-            continue
-        src_main, src_index = req.main_ids()[m_lo:m_hi], req.indexer_ids()[i_lo:i_hi]
-        reads.append(RequestRead(req.ext_req_id, src_main, dst_main, src_index, dst_index))
-    return reads, refused
 
 
 # -- per-request state ------------------------------------------------------------------------

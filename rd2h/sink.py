@@ -46,7 +46,8 @@ from rd2h.planning import LayerPlan, RequestRead
 from rd2h.outcome import Outcome
 from rd2h.peer_limits import Oversized, PeerBook, PeerLimits, oversized_readiness
 from rd2h.readiness import ReadinessDecoder
-from rd2h.receiving import Admission, Destinations, MainSplit, ReceiveTracker, plan_reads
+from rd2h.receiving import Admission, ReceiveTracker
+from rd2h.shares import Destinations, MainSplit, plan_reads
 from rd2h.regions import RegionSet, merge_by_device
 
 __all__ = ["Destinations", "LayerStat", "MainSplit", "Sink"]

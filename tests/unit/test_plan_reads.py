@@ -1,4 +1,4 @@
-"""Decode's share of a readiness (sink.plan_reads, pure): over all ranks and contributors,
+"""Decode's share of a readiness (shares.plan_reads, pure): over all ranks and contributors,
 main blocks are read once in total and every rank gets the whole indexer."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.protocol import ReadReadyBatch, ReadRequest
-from rd2h.receiving import Destinations, plan_reads
+from rd2h.shares import Destinations, plan_reads
 from rd2h.topology import Topology
 
 TOPOLOGIES = [(p, d) for p in (1, 2, 3, 4, 8, 16) for d in (1, 2, 4, 8) if p % d == 0 or d % p == 0]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from rd2h.errors import (
     BlockRangeError,
@@ -26,7 +26,8 @@ from rd2h.errors import (
 from rd2h.layout import LayerLayout, TensorLayout
 from rd2h.outcome import TerminalState
 from rd2h.protocol import ReadReadyBatch, ReadRequest
-from rd2h.receiving import Destinations, MainSplit, ReceiveState, ReceiveTracker, plan_reads
+from rd2h.receiving import ReceiveState, ReceiveTracker
+from rd2h.shares import Destinations, MainSplit, plan_reads
 
 LAYERS = ("l0", "l1")
 BLOCKS = 16
