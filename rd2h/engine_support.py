@@ -2,21 +2,26 @@
 
 - ``MetadataEnvelope``: the blob ``register`` returns and ``connect`` parses, as a tagged,
   versioned msgpack array whose parsing raises ``TransferError`` naming the bad field;
-- ``check_read_arrays``: the argument checks ``read_batch`` owes its callers.
+- ``check_read_arrays``: the argument checks ``read_batch`` owes its callers;
+- ``bounded_call``: a native call that cannot hang its caller.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.errors import TransferError
+from rd2h.errors import RD2HError, TransferError, TransferTimeout
 
-__all__ = ["MetadataEnvelope", "check_read_arrays"]
+__all__ = ["MetadataEnvelope", "check_read_arrays", "bounded_call"]
+
+T = TypeVar("T")
 
 _INT64 = np.dtype(np.int64)
 _INT64_MAX = (1 << 63) - 1
@@ -102,3 +107,40 @@ def check_read_arrays(
     if positive_lengths and n and int(lengths.min()) <= 0:
         raise TransferError(f"every length must be > 0 (found {int(lengths.min())})")
     return n
+
+
+def bounded_call(
+    engine: str,
+    what: str,
+    fn: Callable[[], T],
+    timeout: float,
+    translate: Callable[[BaseException, str], RD2HError] | None = None,
+) -> T:
+    """``fn()``'s result, run in a thread of its own and waited for at most ``timeout`` s.
+
+    A native call cannot be cancelled: one that overruns keeps its (daemon) thread, the
+    caller gets ``TransferTimeout`` and must treat whatever the call touches as still in
+    use. An rd2h error ``fn`` raises passes through; any other exception becomes
+    ``translate(exc, what)`` (default: a ``TransferError`` naming the engine and call).
+    """
+    box: list[object] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.append(exc)
+
+    thread = threading.Thread(target=run, name=f"rd2h-{engine}-{what}", daemon=True)
+    thread.start()
+    thread.join(max(timeout, 0.0))
+    if thread.is_alive():
+        raise TransferTimeout(f"{engine} {what} did not return within {timeout:.3g} s")
+    result = box[0]
+    if isinstance(result, RD2HError):
+        raise result
+    if isinstance(result, BaseException):
+        if translate is not None:
+            raise translate(result, what) from result
+        raise TransferError(f"{engine} {what} raised {type(result).__name__}: {result}") from result
+    return result  # type: ignore[return-value]

@@ -50,3 +50,22 @@ def test_read_arrays_are_checked() -> None:
     with pytest.raises(TransferError, match="> 0"):
         check_read_arrays(ok, ok, ok)
     assert check_read_arrays(ok, ok, ok, positive_lengths=False) == 3
+
+
+def test_bounded_call_returns_times_out_and_maps_errors() -> None:
+    import threading
+
+    from rd2h.engine_support import bounded_call
+    from rd2h.errors import PeerGoneError, TransferError, TransferTimeout
+
+    assert bounded_call("x", "add", lambda: 1 + 1, 5) == 2
+    release = threading.Event()
+    with pytest.raises(TransferTimeout, match="x stuck did not return"):
+        bounded_call("x", "stuck", lambda: release.wait(10), 0.05)
+    release.set()  # the overrunning call's thread ends on its own
+    with pytest.raises(PeerGoneError):  # rd2h's own errors pass through
+        bounded_call("x", "gone", lambda: (_ for _ in ()).throw(PeerGoneError("gone")), 5)
+    with pytest.raises(TransferError, match="x boom raised OSError"):
+        bounded_call("x", "boom", lambda: (_ for _ in ()).throw(OSError("eio")), 5)
+    with pytest.raises(PeerGoneError, match="mapped"):
+        bounded_call("x", "boom", lambda: (_ for _ in ()).throw(OSError("eio")), 5, lambda e, w: PeerGoneError(f"mapped {w}"))

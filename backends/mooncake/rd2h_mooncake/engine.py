@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.engine_support import check_read_arrays
+from rd2h.engine_support import bounded_call, check_read_arrays
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.regions import RegionSet
-from rd2h_mooncake import _bounded, _metadata, _native
+from rd2h_mooncake import _metadata, _native
 
 __all__ = ["MooncakeEngine", "MooncakeSession"]
 
@@ -159,8 +159,8 @@ class MooncakeEngine(TransferEngine):
         self._native_regions: dict[int, int] = {}  # addr -> length, as registered with mooncake
         self._peer_locks: dict[str, threading.Lock] = {}
         te = mc.TransferEngine()
-        rc = _bounded.call(
-            "initialize", lambda: te.initialize(hostname, "P2PHANDSHAKE", protocol, device_name), self.timeout
+        rc = bounded_call(
+            "mooncake", "initialize", lambda: te.initialize(hostname, "P2PHANDSHAKE", protocol, device_name), self.timeout
         )
         if rc != 0:
             raise TransferError(
@@ -198,14 +198,14 @@ class MooncakeEngine(TransferEngine):
         te = self._te
         for addr, length in list(self._native_regions.items()):
             if wanted.get(addr) != length:
-                rc = _bounded.call("unregister_memory", lambda a=addr: te.unregister_memory(a), self.timeout)
+                rc = bounded_call("mooncake", "unregister_memory", lambda a=addr: te.unregister_memory(a), self.timeout)
                 if rc != 0:
                     raise TransferError(f"mooncake unregister_memory({addr:#x}) failed (rc {rc})")
                 del self._native_regions[addr]
         for addr, length in wanted.items():
             if addr not in self._native_regions:
-                rc = _bounded.call(
-                    "register_memory", lambda a=addr, n=length: te.register_memory(a, n, "cpu:0"), self.timeout
+                rc = bounded_call(
+                    "mooncake", "register_memory", lambda a=addr, n=length: te.register_memory(a, n, "cpu:0"), self.timeout
                 )
                 if rc != 0:
                     raise TransferError(f"mooncake register_memory({addr:#x}, {length}) failed (rc {rc})")
@@ -303,7 +303,7 @@ class MooncakeEngine(TransferEngine):
                 self._leave()
 
         remaining = self.timeout - (time.monotonic() - start)
-        return _bounded.call("batch_transfer_sync_read", parts, remaining)
+        return bounded_call("mooncake", "batch_transfer_sync_read", parts, remaining)
 
     def _raise_failure(self, session: MooncakeSession, rc: int, at: int, n: int, took: float) -> None:
         where = f"mooncake read of {n} ranges from {session.peer_id} failed (rc {rc}, part from range {at})"

@@ -12,12 +12,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import TypeVar
 
-from rd2h.errors import BackendUnavailableError, PeerGoneError, RD2HError, TransferError, TransferTimeout
+from rd2h.engine_support import bounded_call
+from rd2h.errors import BackendUnavailableError, PeerGoneError, RD2HError, TransferError
 
 __all__ = ["environment", "import_nixl", "to_rd2h", "call", "INSTALL_HINT"]
 
@@ -76,22 +76,4 @@ def to_rd2h(exc: BaseException, what: str) -> RD2HError:
 
 def call(what: str, fn: Callable[[], T], timeout: float) -> T:
     """``fn()``'s result; ``TransferTimeout`` after ``timeout`` s; NIXL's errors as rd2h's."""
-    box: list[object] = []
-
-    def run() -> None:
-        try:
-            box.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box.append(exc)
-
-    t = threading.Thread(target=run, name=f"rd2h-nixl-{what}", daemon=True)
-    t.start()
-    t.join(max(timeout, 0.0))
-    if t.is_alive():
-        raise TransferTimeout(f"nixl {what} did not return within {timeout:.3g} s")
-    result = box[0]
-    if isinstance(result, RD2HError):
-        raise result
-    if isinstance(result, BaseException):
-        raise to_rd2h(result, what) from result
-    return result  # type: ignore[return-value]
+    return bounded_call("nixl", what, fn, timeout, to_rd2h)
