@@ -60,6 +60,11 @@ class OutcomeBook:
         taken, self._ready = self._ready, {}
         return taken
 
+    def replace(self, outcome: Outcome) -> None:
+        """Settle again an outcome not collected yet (a DONE that must become FAILED)."""
+        assert outcome.ext_id in self._ready, f"{outcome.ext_id!r} is not settled"
+        self._ready[outcome.ext_id] = outcome
+
     def peek(self, ext_id: str) -> Outcome:
         """The settled outcome of ``ext_id``, not consumed (KeyError if none)."""
         return self._ready[ext_id]

@@ -438,6 +438,24 @@ class ReceiveTracker:
                 self._settle_if_idle(request, now)
         return reply_failures
 
+    def reply_lost(self, admission: Admission, error: RD2HError, now: float) -> list[str]:
+        """The reply to the readiness ``admission`` answered never reached Prefill (it gave
+        up on this Decode, or does not read): Prefill will fail its requests, so Decode
+        fails them too, a DONE this very readiness settled included (it is not collected
+        yet: the caller holds the tracker from ``on_read`` to the reply). Returns their ids."""
+        hit = []
+        for ext_id in admission.readable:
+            request = self._requests.get(ext_id)
+            if request is not None:
+                if not request.terminal:
+                    self._fail(request, error, now)
+                    hit.append(ext_id)
+            elif ext_id in self._book and self._book.peek(ext_id).state is TerminalState.DONE:
+                done = self._book.peek(ext_id)
+                self._book.replace(Outcome(ext_id, TerminalState.FAILED, error, done.nbytes, done.started, now))
+                hit.append(ext_id)
+        return hit
+
     def fail_readable(self, admission: Admission, error: RD2HError, now: float) -> dict[str, RD2HError]:
         """The whole layer failed before any read (a layout mismatch): fail every request the
         admission allowed; the reply names them and the refused ones."""

@@ -360,15 +360,14 @@ class Sink:
         except RD2HError as exc:  # a layout mismatch fails the whole layer before any read
             with self._changed:
                 failures = self._tracker.fail_readable(admission, exc, self._clock())
-                self._changed.notify_all()
+                self._answer(identity, batch, admission, failures)
         else:
             if plan is not None:
                 read_seconds = self._read(identity, plan, failed)
                 nbytes = self._request_bytes(batch.layer_name, reads, failed)
             with self._changed:
                 failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
-                self._changed.notify_all()
-        self._reply(identity, batch, failures)
+                self._answer(identity, batch, admission, failures)
         stat = LayerStat(
             batch.layer_idx, 0 if plan is None else plan.nbytes, 0 if plan is None else len(plan),
             read_seconds, time.perf_counter() - started, len(failures),
@@ -431,21 +430,38 @@ class Sink:
             for r in reads if r.ext_req_id not in failed
         }
 
-    def _reply(self, identity: bytes, batch: protocol.ReadReadyBatch, failures: Mapping[str, RD2HError]) -> None:
+    def _answer(
+        self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission, failures: Mapping[str, RD2HError]
+    ) -> None:
+        """Reply (under the tracker's lock, so no outcome of this readiness is collected
+        before its reply is known to be sent); a reply that cannot be sent fails on Decode
+        what Prefill will fail for want of it, so the two sides agree."""
+        lost = self._reply(identity, batch, failures)
+        if lost is not None:
+            hit = self._tracker.reply_lost(admission, lost, self._clock())
+            if hit:
+                log.warning("rank %d: reply lost, failed %d request(s) Prefill will fail too", self.rank, len(hit))
+        self._changed.notify_all()
+
+    def _reply(
+        self, identity: bytes, batch: protocol.ReadReadyBatch, failures: Mapping[str, RD2HError]
+    ) -> RD2HError | None:
         if not failures:
-            self._send(identity, protocol.ReadDone(batch.layer_idx))
-            return
+            return self._send(identity, protocol.ReadDone(batch.layer_idx))
         log.warning(
             "rank %d: layer %d failed for %d request(s): %s",
             self.rank, batch.layer_idx, len(failures), _summarize(failures),
         )
-        self._send(identity, _failed_reply(batch.layer_idx, failures))
+        return self._send(identity, _failed_reply(batch.layer_idx, failures))
 
-    def _send(self, identity: bytes, message: protocol.Reply) -> None:
+    def _send(self, identity: bytes, message: protocol.Reply) -> RD2HError | None:
+        """Send a reply; the error if it could not be sent (it never blocks: see the channel)."""
         try:
             self._listener.send(identity, protocol.encode(message))
-        except RD2HError as exc:  # the peer is gone or unreachable: its requests time out or die
+        except RD2HError as exc:  # the peer is gone or unreachable
             log.warning("rank %d: could not reply to %r: %s", self.rank, identity, exc)
+            return exc
+        return None
 
     def _announcing(self, identity: bytes) -> bool:
         with self._changed:

@@ -485,3 +485,23 @@ class ReceiveMachine(RuleBasedStateMachine):
 
 ReceiveMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestReceiveMachine = ReceiveMachine.TestCase
+
+
+def test_a_lost_reply_fails_on_decode_what_prefill_will_fail() -> None:
+    """Issue 9 D9 after a stall: a Decode that resumes after Prefill gave up on it completed
+    the request DONE while Prefill reported ReplyTimeout, and neither side knew. The reply
+    that would have said DONE cannot be sent: Decode fails the request too."""
+    from rd2h.errors import ChannelError
+
+    t = tracker()
+    t.expect("r", Destinations.of([0]), 0.0)
+    t.expect("s", Destinations.of([1, 2]), 0.0)
+    deliver(t, readiness("l0", [("r", 0, 1), ("s", 0, 1)]))
+    batch = readiness("l1", [("r", 0, 1), ("s", 0, 1)], ("r",))
+    admission = t.on_readiness(PEER, batch, 1.0)
+    assert t.on_read(PEER, batch, admission, {}, {}, 1.0) == {}
+    assert t.state("r") is ReceiveState.DONE  # settled, not collected
+    assert sorted(t.reply_lost(admission, ChannelError("peer gone"), 2.0)) == ["r", "s"]
+    outcomes = t.take()
+    assert {e: o.state for e, o in outcomes.items()} == {"r": TerminalState.FAILED, "s": TerminalState.FAILED}
+    assert isinstance(outcomes["r"].error, ChannelError) and outcomes["r"].finished == 2.0
