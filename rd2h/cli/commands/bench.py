@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rd2h import plugins
 from rd2h.cli.commands.demo import engine_option
 
 _SHORT = {"layer_mib": 2.0, "repeat": 3}
@@ -114,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     layer_mib = args.layer_mib if args.layer_mib is not None else sizes["layer_mib"]
     repeat = args.repeat if args.repeat is not None else sizes["repeat"]
     engines = args.engine or available_engines()
+    for name in args.engine:  # an unknown name is a usage error, not a case skipped 16 times
+        plugins.engine_class(name)  # BackendNotFoundError, listing what is installed
     cases = [Case(make_layout(layout, kib, layer_mib, args.layers), memory)
              for layout in args.layout for kib in args.block_kib for memory in args.memory]
     per_case = 2 * len(args.threads) + sum(len(list(s.methods())) for s in _engine_specs(engines, args.engine_option, args.threads))
