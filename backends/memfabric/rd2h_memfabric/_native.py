@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -261,6 +262,18 @@ def peer_listening(session_id: str, timeout: float) -> bool:
         return False
 
 
+def _goes_quiet(session_id: str, within: float) -> bool:
+    """Whether the peer stops answering at ``session_id`` within ``within`` seconds. A read
+    fails as soon as a killed peer's transport breaks, which can be a moment before its
+    process is gone and its listening socket closed: one look would call it alive."""
+    deadline = time.monotonic() + within
+    while peer_listening(session_id, max(0.05, min(0.5, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)  # an error path: the read already failed
+    return True
+
+
 class Native:
     """One initialized memfabric ``TransferEngine`` and the memory registered with it."""
 
@@ -375,7 +388,7 @@ class Native:
         )
         if ret == 0:
             return
-        if not peer_listening(peer, min(timeout, 2.0)):
+        if _goes_quiet(peer, within=min(timeout, 1.0)):
             raise PeerGoneError(f"memfabric read from {peer} failed ({ret}): the peer is gone ({text or 'no detail'})")
         hint = " (session not found: is the peer a Prefill engine of this store arrangement?)" if ret == -2000 else ""
         raise TransferError(f"memfabric read of {len(lengths)} ranges from {peer} failed ({ret}){hint}: {text}")
