@@ -43,7 +43,11 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LENGTH = struct.Struct(">I")
 _MAX_REPLY = 16 << 20  # the regions of one process; far above any real registration
 _SEND_TIMEOUT = 1.0  # a reader that does not take a few KiB in this long is dropped
-_TOKEN_WAIT = 2.0  # a connection that has not sent its token in this long is dropped
+# A connection that has not sent its token in this long is dropped. Generous: the reader
+# sends it right after connecting, but a starved Decode (a loaded 2-core host, a vLLM engine
+# computing beside it) was seen to stall 12 s between the two; an idle connection costs one
+# fd of at most MAX_READERS until then.
+_TOKEN_WAIT = 30.0
 TOKEN_BYTES = 16
 MAX_READERS = 256  # connections one Prefill keeps; more are refused (each holds an fd)
 
