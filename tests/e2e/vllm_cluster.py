@@ -127,14 +127,18 @@ class Cluster:
     """A Prefill engine, a Decode engine and ``rd2h proxy``; engines restart on demand
     with other connector settings (``ensure``)."""
 
-    def __init__(self, model: Path, workdir: Path, *, tp: int = 1, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, model: Path, workdir: Path, *, tp: int | Mapping[str, int] = 1,
+                 env: Mapping[str, str] | None = None) -> None:
+        """``tp``: both engines' TP size, or ``{"prefill": p, "decode": d}``."""
         self.model, self.workdir = model, workdir
-        self.tp, self.env = tp, dict(env or {})
+        self.tp = dict(tp) if isinstance(tp, Mapping) else {"prefill": tp, "decode": tp}
+        self.env = dict(env or {})
         ports = free_base_port(3)
         self.ports = {"prefill": ports, "decode": ports + 1, "proxy": ports + 2}
-        self.kv_port = free_base_port(2 * tp)
+        self.kv_port = free_base_port(2 * max(4, *self.tp.values()))  # room for a later ensure(tp=...)
         self.procs: dict[str, Process] = {}
         self.extra: dict[str, dict[str, Any]] = {}
+        self.running_tp: dict[str, int] = {}
         self.starts = 0
 
     def url(self, role: str) -> str:
@@ -150,18 +154,25 @@ class Cluster:
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.ports[role]), *ENGINE_ARGS,
-            "--kv-transfer-config", json.dumps(config), "--tensor-parallel-size", str(self.tp),
+            "--kv-transfer-config", json.dumps(config), "--tensor-parallel-size", str(self.tp[role]),
         ]
-        env = {**ENGINE_ENV, "VLLM_CACHE_ROOT": str(self.workdir / "cache"), **self.env}
-        return Process(role, argv, self.workdir / f"{role}-{self.starts}.log", env)
+        env = {**ENGINE_ENV, "VLLM_CACHE_ROOT": str(self.workdir / "cache")}
+        if self.tp[role] > 1:  # several workers on a small machine: no core pinning
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        self.running_tp[role] = self.tp[role]
+        return Process(role, argv, self.workdir / f"{role}-{self.starts}.log", {**env, **self.env})
 
-    def ensure(self, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None) -> None:
-        """Prefill and Decode running with these extra configs (restarted if they differ)."""
+    def ensure(self, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None,
+               tp: Mapping[str, int] | None = None) -> None:
+        """Prefill and Decode running with these extra configs and, for the roles ``tp``
+        names, these TP sizes (an engine is restarted if it differs)."""
+        self.tp.update(tp or {})
         wanted = {"prefill": prefill or {}, "decode": decode or {}}
         started = []
         for role, extra in wanted.items():
             proc = self.procs.get(role)
-            if proc is not None and self.extra.get(role) == extra and proc.proc.poll() is None:
+            if (proc is not None and self.extra.get(role) == extra and self.running_tp.get(role) == self.tp[role]
+                    and proc.proc.poll() is None):
                 continue
             if proc is not None:
                 proc.stop()
