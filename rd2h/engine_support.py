@@ -3,12 +3,16 @@
 - ``MetadataEnvelope``: the blob ``register`` returns and ``connect`` parses, as a tagged,
   versioned msgpack array whose parsing raises ``TransferError`` naming the bad field;
 - ``check_read_arrays``: the argument checks ``read_batch`` owes its callers;
-- ``bounded_call``: a native call that cannot hang its caller.
+- ``bounded_call``: a native call that cannot hang its caller;
+- ``goes_quiet``: whether a peer's TCP address stops answering (a dead peer, told apart from
+  a failed transfer).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -19,7 +23,7 @@ import numpy.typing as npt
 
 from rd2h.errors import RD2HError, TransferError, TransferTimeout
 
-__all__ = ["MetadataEnvelope", "check_read_arrays", "bounded_call"]
+__all__ = ["MetadataEnvelope", "check_read_arrays", "bounded_call", "answers_at", "goes_quiet"]
 
 T = TypeVar("T")
 
@@ -144,3 +148,28 @@ def bounded_call(
             raise translate(result, what) from result
         raise TransferError(f"{engine} {what} raised {type(result).__name__}: {result}") from result
     return result  # type: ignore[return-value]
+
+
+def answers_at(address: str, timeout: float) -> bool:
+    """Whether something accepts a TCP connection at ``address`` (``"host:port"``)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def goes_quiet(address: str, within: float) -> bool:
+    """Whether ``address`` stops answering within ``within`` seconds.
+
+    For telling a dead peer from a failed transfer after a read failed: the transfer breaks
+    as soon as a killed peer's connections do, which can be a moment before its process is
+    gone and its listening socket closed, so one look could call it alive.
+    """
+    deadline = time.monotonic() + within
+    while answers_at(address, max(0.05, min(0.5, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)  # an error path: the read already failed
+    return True

@@ -69,3 +69,20 @@ def test_bounded_call_returns_times_out_and_maps_errors() -> None:
         bounded_call("x", "boom", lambda: (_ for _ in ()).throw(OSError("eio")), 5)
     with pytest.raises(PeerGoneError, match="mapped"):
         bounded_call("x", "boom", lambda: (_ for _ in ()).throw(OSError("eio")), 5, lambda e, w: PeerGoneError(f"mapped {w}"))
+
+
+def test_goes_quiet_waits_out_a_listener_that_closes_a_moment_later() -> None:
+    import socket
+    import threading
+
+    from rd2h.engine_support import answers_at, goes_quiet
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    assert answers_at(address, 1.0)
+    assert goes_quiet(address, within=0.2) is False  # alive throughout
+    closer = threading.Timer(0.3, listener.close)  # the peer's process is still exiting
+    closer.start()
+    assert goes_quiet(address, within=5.0) is True
+    closer.join()
+    assert not answers_at(address, 1.0) and not answers_at("no-port", 1.0)

@@ -19,14 +19,13 @@ import importlib.util
 import itertools
 import logging
 import os
-import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from rd2h.engine_support import answers_at, goes_quiet
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
 from rd2h.regions import RegionSet
 
@@ -254,24 +253,7 @@ def _native_ranges(regions: RegionSet) -> dict[int, int]:
 
 def peer_listening(session_id: str, timeout: float) -> bool:
     """Whether a Prefill engine answers at ``session_id`` (its config store listens there)."""
-    host, _, port = session_id.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _goes_quiet(session_id: str, within: float) -> bool:
-    """Whether the peer stops answering at ``session_id`` within ``within`` seconds. A read
-    fails as soon as a killed peer's transport breaks, which can be a moment before its
-    process is gone and its listening socket closed: one look would call it alive."""
-    deadline = time.monotonic() + within
-    while peer_listening(session_id, max(0.05, min(0.5, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)  # an error path: the read already failed
-    return True
+    return answers_at(session_id, timeout)
 
 
 class Native:
@@ -388,7 +370,7 @@ class Native:
         )
         if ret == 0:
             return
-        if _goes_quiet(peer, within=min(timeout, 1.0)):
+        if goes_quiet(peer, within=min(timeout, 1.0)):
             raise PeerGoneError(f"memfabric read from {peer} failed ({ret}): the peer is gone ({text or 'no detail'})")
         hint = " (session not found: is the peer a Prefill engine of this store arrangement?)" if ret == -2000 else ""
         raise TransferError(f"memfabric read of {len(lengths)} ranges from {peer} failed ({ret}){hint}: {text}")

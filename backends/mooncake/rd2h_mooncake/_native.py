@@ -11,14 +11,13 @@ from __future__ import annotations
 import ctypes.util
 import importlib.util
 import os
-import socket
 import threading
 from dataclasses import dataclass
 from types import ModuleType
 
 from rd2h.errors import BackendUnavailableError, ConfigError
 
-__all__ = ["Knobs", "environment", "import_engine", "apply", "peer_reachable", "INSTALL_HINT"]
+__all__ = ["Knobs", "environment", "import_engine", "apply", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'rd2h[mooncake]' (the wheel mooncake-transfer-engine-non-cuda)"
 
@@ -79,11 +78,3 @@ def apply(knobs: Knobs) -> None:
         _applied = knobs
 
 
-def peer_reachable(session_id: str, timeout: float) -> bool:
-    """Whether something accepts a TCP connection at the peer's handshake address."""
-    host, _, port = session_id.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except OSError:
-        return False

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.engine_support import bounded_call, check_read_arrays
+from rd2h.engine_support import answers_at, bounded_call, check_read_arrays, goes_quiet
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.regions import RegionSet
@@ -219,7 +219,7 @@ class MooncakeEngine(TransferEngine):
         """
         self._check_open()
         peer_id, regions = _metadata.decode(peer_metadata)
-        if not _native.peer_reachable(peer_id, min(self.timeout, PROBE_TIMEOUT_S)):
+        if not answers_at(peer_id, min(self.timeout, PROBE_TIMEOUT_S)):
             raise PeerGoneError(f"no mooncake engine answers at {peer_id}")
         return MooncakeSession(self, peer_id, regions)
 
@@ -307,7 +307,7 @@ class MooncakeEngine(TransferEngine):
 
     def _raise_failure(self, session: MooncakeSession, rc: int, at: int, n: int, took: float) -> None:
         where = f"mooncake read of {n} ranges from {session.peer_id} failed (rc {rc}, part from range {at})"
-        if not _native.peer_reachable(session.peer_id, PROBE_TIMEOUT_S):
+        if goes_quiet(session.peer_id, within=PROBE_TIMEOUT_S):
             raise PeerGoneError(f"{where}: nothing answers at {session.peer_id} any more")
         bound = min(self.knobs.progress_timeout_s, self.knobs.transfer_timeout_s)
         if took >= 0.9 * bound:
