@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from rd2h.errors import RD2HError, TransferError, TransferTimeout
 
-__all__ = ["MetadataEnvelope", "check_read_arrays", "bounded_call", "answers_at", "goes_quiet"]
+__all__ = ["MetadataEnvelope", "check_read_arrays", "check_host_regions", "bounded_call", "answers_at", "goes_quiet"]
 
 T = TypeVar("T")
 
@@ -111,6 +111,16 @@ def check_read_arrays(
     if positive_lengths and n and int(lengths.min()) <= 0:
         raise TransferError(f"every length must be > 0 (found {int(lengths.min())})")
     return n
+
+
+def check_host_regions(engine: str, regions: Any) -> None:
+    """Raise ``TransferError`` for a region that is not host memory (an engine that moves
+    host memory only refuses at registration, not with EFAULT at the first read)."""
+    for r in regions:
+        if r.device != "cpu":
+            raise TransferError(
+                f"region {r.addr:#x}+{r.length} is on {r.device!r}: this {engine} engine moves host memory only"
+            )
 
 
 def bounded_call(

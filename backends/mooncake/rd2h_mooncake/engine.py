@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.engine_support import answers_at, bounded_call, check_read_arrays, goes_quiet
+from rd2h.engine_support import answers_at, bounded_call, check_host_regions, check_read_arrays, goes_quiet
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.regions import RegionSet
@@ -181,11 +181,7 @@ class MooncakeEngine(TransferEngine):
 
         Raises ``TransferError`` for device memory, a closed engine or a refusal by mooncake.
         """
-        for r in regions:
-            if r.device != "cpu":
-                raise TransferError(
-                    f"region {r.addr:#x}+{r.length} is on {r.device!r}: this mooncake engine moves host memory only"
-                )
+        check_host_regions("mooncake", regions)
         with self._lock:
             self._check_open()
             bounds = RegionSet([*self._bounds, *((r.addr, r.length) for r in regions)])
