@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from rd2h.errors import RD2HError, TransferError, TransferTimeout
 
-__all__ = ["MetadataEnvelope", "check_read_arrays", "check_host_regions", "bounded_call", "answers_at", "goes_quiet"]
+__all__ = ["MetadataEnvelope", "split_host_port", "check_read_arrays", "check_host_regions", "bounded_call", "answers_at", "goes_quiet"]
 
 T = TypeVar("T")
 
@@ -74,6 +74,18 @@ class MetadataEnvelope:
             raise self.malformed(f"{field} must be a non-negative integer, got {value!r:.60}")
         return value
 
+    def unpack_session(self, blob: object) -> tuple[str, list[tuple[int, int]]]:
+        """``(session_id "host:port", regions)``: the blob of an engine whose peers are named
+        by their address (memfabric, mooncake). Raises TransferError naming the bad field."""
+        session_id, regions = self.unpack(blob, 2)
+        if not isinstance(session_id, str):
+            raise self.malformed("session_id must be a string")
+        try:
+            split_host_port(session_id)
+        except ValueError as exc:
+            raise self.malformed(str(exc)) from None
+        return session_id, self.regions(regions)
+
     def regions(self, raw: object) -> list[tuple[int, int]]:
         """A list of ``(addr, length)`` pairs, each non-empty and inside int64 addresses."""
         if not isinstance(raw, list):
@@ -111,6 +123,14 @@ def check_read_arrays(
     if positive_lengths and n and int(lengths.min()) <= 0:
         raise TransferError(f"every length must be > 0 (found {int(lengths.min())})")
     return n
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; ``ValueError`` when it is not that shape."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"session id must be 'host:port', got {address!r:.80}")
+    return host, int(port)
 
 
 def check_host_regions(engine: str, regions: Any) -> None:

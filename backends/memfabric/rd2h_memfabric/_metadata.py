@@ -7,7 +7,7 @@ A positional msgpack array, append-only like the rest of rd2h's wire formats:
 
 from __future__ import annotations
 
-from rd2h.engine_support import MetadataEnvelope
+from rd2h.engine_support import MetadataEnvelope, split_host_port
 
 __all__ = ["encode", "decode", "split_session_id"]
 
@@ -18,24 +18,9 @@ def encode(session_id: str, regions: list[tuple[int, int]]) -> bytes:
     return ENVELOPE.pack(session_id, regions)
 
 
-def split_session_id(session_id: str) -> tuple[str, int]:
-    """``"ip:port"`` -> ``(ip, port)``; ``ValueError`` when it is not that shape."""
-    host, sep, port = session_id.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"session id must be 'ip:port', got {session_id!r:.80}")
-    return host, int(port)
+split_session_id = split_host_port  # ``"ip:port"`` -> ``(ip, port)``
 
 
 def decode(blob: bytes) -> tuple[str, list[tuple[int, int]]]:
-    """Parse a peer's blob into ``(session_id, regions)``.
-
-    Raises ``TransferError`` naming the field that is wrong.
-    """
-    session_id, regions = ENVELOPE.unpack(blob, 2)
-    if not isinstance(session_id, str):
-        raise ENVELOPE.malformed("session_id must be a string")
-    try:
-        split_session_id(session_id)
-    except ValueError as exc:
-        raise ENVELOPE.malformed(str(exc)) from None
-    return session_id, ENVELOPE.regions(regions)
+    """Parse a peer's blob into ``(session_id, regions)``; ``TransferError`` naming the bad field."""
+    return ENVELOPE.unpack_session(blob)
