@@ -33,11 +33,11 @@ import numpy.typing as npt
 
 from rd2h import protocol
 from rd2h.coverage import ChunkKey, Coverage
+from rd2h.held_blocks import HeldBlocks
 from rd2h.errors import (
     BlockRangeError,
     ConfigError,
     DeadlineExceeded,
-    DestinationError,
     DuplicateRequestError,
     ProtocolError,
     RD2HError,
@@ -190,12 +190,7 @@ class ReceiveTracker:
         self.decode_rank, self.decode_tp = decode_rank, decode_tp
         self.request_timeout = request_timeout
         self._layer_names = frozenset(layers)
-        self._main_blocks = min(t.num_blocks for layout in layers.values() for t in layout.main)
-        indexers = [layout.indexer.num_blocks for layout in layers.values() if layout.indexer is not None]
-        self._indexer_blocks = min(indexers) if indexers else None
-        # destination blocks held by live requests: no two live requests share one
-        self._main_taken = np.zeros(self._main_blocks, dtype=np.bool_)
-        self._indexer_taken = np.zeros(self._indexer_blocks or 0, dtype=np.bool_)
+        self._held = HeldBlocks(layers)  # no two live requests share a destination block
         self._requests: dict[str, _Request] = {}
         self._peers: dict[bytes, _Peer] = {}
         self._early: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
@@ -232,10 +227,8 @@ class ReceiveTracker:
         for what, first, ids in (("main", first_block, destinations.main), ("indexer", index_first, destinations.indexer)):
             if not 0 <= first <= len(ids):
                 raise ConfigError(f"request {ext_id!r}: {what} first block {first} outside 0..{len(ids)}")
-        self._check_destinations(ext_id, "main", destinations.main, self._main_taken)
-        if self._indexer_blocks is not None:
-            self._check_destinations(ext_id, "indexer", destinations.indexer, self._indexer_taken)
-        self._hold(destinations, True)
+        self._held.check(ext_id, destinations, self._holder)
+        self._held.hold(destinations)
         timeout = self.request_timeout if deadline is None else deadline
         request = _Request(
             ext_id,
@@ -509,23 +502,11 @@ class ReceiveTracker:
             request.apply(_Event.COMPLETE)
         return None
 
-    def _check_destinations(self, ext_id: str, what: str, ids: Int64Array, taken: npt.NDArray[np.bool_]) -> None:
-        limit = len(taken)
-        if len(ids) and (ids.min() < 0 or ids.max() >= limit):
-            bad = int(ids[(ids < 0) | (ids >= limit)][0])
-            raise DestinationError(f"request {ext_id!r}: {what} destination block {bad} outside 0..{limit - 1}")
-        if len(np.unique(ids)) != len(ids):
-            values, counts = np.unique(ids, return_counts=True)
-            raise DestinationError(f"request {ext_id!r}: {what} destination block {int(values[counts > 1][0])} given twice")
-        clash = taken[ids]
-        if clash.any():
-            block = int(ids[np.argmax(clash)])
-            owner = next(
-                (r.ext_id for r in self._requests.values()
-                 if block in (r.destinations.main if what == "main" else r.destinations.indexer)),
-                "another request",
-            )
-            raise DestinationError(f"request {ext_id!r}: {what} destination block {block} is held by live request {owner!r}")
+    def _holder(self, what: str, block: int) -> str:
+        for request in self._requests.values():
+            if block in (request.destinations.main if what == "main" else request.destinations.indexer):
+                return request.ext_id
+        return "another request"
 
     def _fail(self, request: _Request, error: RD2HError, now: float) -> None:
         request.apply(_Event.FAIL, error)
@@ -535,7 +516,7 @@ class ReceiveTracker:
         if not request.terminal or request.reading:
             return
         del self._requests[request.ext_id]
-        self._hold(request.destinations, False)
+        self._held.hold(request.destinations, False)
         self._book.settle(Outcome(
             request.ext_id,
             _TERMINAL[request.state],
@@ -544,8 +525,3 @@ class ReceiveTracker:
             request.started,
             now,
         ))
-
-    def _hold(self, destinations: Destinations, held: bool) -> None:
-        self._main_taken[destinations.main] = held
-        if self._indexer_blocks is not None:
-            self._indexer_taken[destinations.indexer] = held

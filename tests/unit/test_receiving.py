@@ -471,7 +471,7 @@ class ReceiveMachine(RuleBasedStateMachine):
     def only_live_requests_hold_blocks(self) -> None:
         if hasattr(self, "t"):
             held = sorted(b for d, _ in self.live.values() for b in d.main.tolist())
-            assert sorted(np.flatnonzero(self.t._main_taken).tolist()) == held
+            assert sorted(np.flatnonzero(self.t._held.main).tolist()) == held
             assert set(self.t.live()) == set(self.live)
 
     def teardown(self) -> None:
