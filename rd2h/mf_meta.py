@@ -42,7 +42,9 @@ __all__ = [
     "decode_mf_meta",
 ]
 
-PROTOCOL_VERSION = 3  # v3: mf_meta keeps the reference's fields first, rd2h's own in one map
+# v3: mf_meta keeps the reference's fields first, rd2h's own in one map
+# v4: Prefill tells Decode how each request ended (``settled``); Decode waits for it to report DONE
+PROTOCOL_VERSION = 4
 LEGACY_PROTOCOL_VERSION = 1  # the reference implementation's 3-field mf_meta
 # What rd2h writes in the reference's own version field of mf_meta (docs/protocol.md 4.1)
 REFERENCE_PROTOCOL_VERSION = 2

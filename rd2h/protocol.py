@@ -60,6 +60,8 @@ __all__ = [
     "ReadReadyBatch",
     "ReadDone",
     "ReadFailed",
+    "Settled",
+    "read_ok",
     "Request",
     "Reply",
     "Message",
@@ -79,6 +81,7 @@ _MF_META = b"mf_meta"
 _READ_READY_BATCH = b"read_ready_batch"
 _READ_DONE = b"read_done"
 _READ_FAILED = b"read_failed"
+_SETTLED = b"settled"
 
 _INT_END = 2**63  # block ids end up in numpy int64 arrays
 # Index of the most significant byte of each 8-byte slot of array("Q"): see _as_block_ids.
@@ -285,9 +288,52 @@ class ReadFailed:
         return not self.failed_ext_ids or ext_req_id in self.failed_ext_ids
 
 
-Request = MfMeta | ReadReadyBatch  # what Decode receives
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """Prefill -> Decode, never answered: how requests ended on this Prefill rank.
+
+    ``done_ext_ids``: every readiness naming them was answered with success, so Prefill
+    reports them DONE. A Decode rank reports a request DONE only once each contributor
+    that speaks this protocol said so: a Prefill that gave up on Decode (its reply came
+    too late) says it never, and the two sides cannot end one DONE, the other FAILED.
+    ``failed_ext_ids``: they failed or were aborted here; Decode fails them too, at once
+    instead of at its deadline, with ``error`` (its class name in ``error_kind``).
+    """
+
+    done_ext_ids: tuple[str, ...] = ()
+    failed_ext_ids: tuple[str, ...] = ()
+    error: str = ""
+    error_kind: str = ""
+
+    def __post_init__(self) -> None:
+        _set(self, "done_ext_ids", _as_str_tuple(self.done_ext_ids, "done_ext_ids"))
+        _set(self, "failed_ext_ids", _as_str_tuple(self.failed_ext_ids, "failed_ext_ids"))
+        _check_str(self.error, "error", allow_empty=True)
+        _check_str(self.error_kind, "error_kind", allow_empty=True)
+
+    @classmethod
+    def failure(cls, ext_ids: Sequence[str], error: BaseException) -> Settled:
+        """The notice that ``ext_ids`` failed here with ``error`` (its text and class)."""
+        return cls((), tuple(ext_ids), str(error), wire_kind(error))
+
+    def exception(self) -> RD2HError:
+        """The failure as an rd2h error of the class Prefill sent (RemoteError if unknown)."""
+        return from_wire(self.error_kind, self.error or "Prefill failed the request without a reason")
+
+
+Request = MfMeta | ReadReadyBatch | Settled  # what Decode receives
 Reply = Ack | ReadDone | ReadFailed  # what Prefill receives
 Message = Request | Reply
+
+
+def read_ok(reply: Reply, ext_ids: Sequence[str]) -> tuple[str, ...]:
+    """Those of ``ext_ids`` (requests of the readiness ``reply`` answers) that it says were
+    read: what a Prefill that sent them on their final layer confirms in a ``settled``."""
+    if isinstance(reply, ReadDone):
+        return tuple(ext_ids)
+    if isinstance(reply, ReadFailed):
+        return tuple(e for e in ext_ids if not reply.failed(e))
+    return ()
 
 
 # -- codec ------------------------------------------------------------------------------------
@@ -323,6 +369,8 @@ def encode(msg: Message) -> bytes:
         fields = (_READ_DONE, msg.layer_idx)
     elif kind is ReadFailed:
         fields = (_READ_FAILED, msg.layer_idx, msg.error, msg.failed_ext_ids, msg.error_kind)
+    elif kind is Settled:
+        fields = (_SETTLED, msg.done_ext_ids, msg.failed_ext_ids, msg.error, msg.error_kind)
     elif kind is MfMeta:
         fields = (_MF_META, *mf_meta_fields(msg))
     elif kind is Ack:
@@ -407,9 +455,17 @@ def _decode_read_failed(f: tuple[Any, ...]) -> ReadFailed:
     return ReadFailed(f[1], f[2], f[3] if n > 3 else (), f[4] if n > 4 else "")
 
 
+def _decode_settled(f: tuple[Any, ...]) -> Settled:
+    n = len(f)
+    if n < 3:
+        raise ValueError(f"needs at least 3 fields, got {n}")
+    return Settled(f[1], f[2], f[3] if n > 3 else "", f[4] if n > 4 else "")
+
+
 _REQUEST_DECODERS: dict[bytes, Callable[[tuple[Any, ...]], Any]] = {
     _MF_META: decode_mf_meta,
     _READ_READY_BATCH: _decode_read_ready_batch,
+    _SETTLED: _decode_settled,
 }
 _REPLY_DECODERS: dict[bytes, Callable[[tuple[Any, ...]], Any]] = {
     _READ_DONE: _decode_read_done,
@@ -443,13 +499,14 @@ def _decode(data: object, decoders: Mapping[bytes, Callable[[tuple[Any, ...]], A
 
 
 def decode_request(data: bytes) -> Request:
-    """Decode what Decode receives from Prefill: :class:`MfMeta` or :class:`ReadReadyBatch`.
+    """Decode what Decode receives from Prefill: :class:`MfMeta`, :class:`ReadReadyBatch` or
+    :class:`Settled`.
 
     Raises RemoteProtocolError for anything else, naming the message and field.
     """
     if _is_ack(data):
         raise RemoteProtocolError("message: ACK is a reply; Decode does not expect one")
-    return _decode(data, _REQUEST_DECODERS, "mf_meta or read_ready_batch")  # type: ignore[no-any-return]
+    return _decode(data, _REQUEST_DECODERS, "mf_meta, read_ready_batch or settled")  # type: ignore[no-any-return]
 
 
 def decode_reply(data: bytes) -> Reply:

@@ -14,10 +14,15 @@ whose destinations a read may be writing settles only after that read.
 
 Per request::
 
-    WAITING --read--> RECEIVING --all contributors final and covered--> DONE
-       |                 |
-       +--fail/deadline/peer gone--> FAILED      +--abort--> ABORTED   (from either)
+    WAITING --read--> RECEIVING --all contributors final and covered--> CONFIRMING
+       |                 |                                                   |
+       |                 +--(only peers that never confirm)--> DONE <--confirmed--+
+       |
+       +--fail/deadline/peer gone/Prefill failed it--> FAILED    +--abort--> ABORTED   (from any)
 
+CONFIRMING waits for each contributor that speaks rd2h protocol 4 to say the request ended
+DONE on its side (``settled``): it says so only after it got Decode's reply to the final
+layer, so a Prefill that gave up on a slow Decode never sees that Decode report DONE.
 A terminal state absorbs every later event (the first reason is kept).
 """
 
@@ -64,6 +69,7 @@ Int64Array = npt.NDArray[np.int64]
 class ReceiveState(Enum):
     WAITING = "waiting"  # expected: destinations known, nothing read yet
     RECEIVING = "receiving"  # some layer read
+    CONFIRMING = "confirming"  # every byte read; waits for the contributors to confirm
     DONE = "done"
     FAILED = "failed"
     ABORTED = "aborted"
@@ -72,6 +78,8 @@ class ReceiveState(Enum):
 class _Event(Enum):
     READ = "a layer read"
     COMPLETE = "every contributor final and covered"
+    READ_ALL = "every contributor final and covered, some yet to confirm"
+    CONFIRMED = "every contributor confirmed"
     FAIL = "a failure"
     ABORT = "abort"
 
@@ -80,10 +88,15 @@ _S, _E = ReceiveState, _Event
 _TRANSITIONS = {
     (_S.WAITING, _E.READ): _S.RECEIVING,
     (_S.WAITING, _E.COMPLETE): _S.DONE,
+    (_S.WAITING, _E.READ_ALL): _S.CONFIRMING,
     (_S.WAITING, _E.FAIL): _S.FAILED,
     (_S.WAITING, _E.ABORT): _S.ABORTED,
     (_S.RECEIVING, _E.READ): _S.RECEIVING,
     (_S.RECEIVING, _E.COMPLETE): _S.DONE,
+    (_S.RECEIVING, _E.READ_ALL): _S.CONFIRMING,
+    (_S.CONFIRMING, _E.CONFIRMED): _S.DONE,
+    (_S.CONFIRMING, _E.FAIL): _S.FAILED,
+    (_S.CONFIRMING, _E.ABORT): _S.ABORTED,
     (_S.RECEIVING, _E.FAIL): _S.FAILED,
     (_S.RECEIVING, _E.ABORT): _S.ABORTED,
     # terminal states absorb whatever is still in flight; the first outcome stands
@@ -104,6 +117,7 @@ class _Request:
     ratio: int | None = None  # the contributor group size, from the first readiness
     finals: set[int] = field(default_factory=set)  # members whose final signal was believed
     peers: set[bytes] = field(default_factory=set)  # identities that announced it
+    unconfirmed: set[bytes] = field(default_factory=set)  # final contributors yet to confirm
     nbytes: int = 0
     reading: bool = False  # a read may be writing its destinations now
     serial: int = 0  # tells this request apart from an earlier one of the same id
@@ -134,6 +148,7 @@ class _Peer:
     p_session: str
     error: RD2HError | None = None
     proven: frozenset[str] = frozenset()  # identities it proved (engine session id, CURVE key)
+    confirms: bool = True  # it sends ``settled`` (rd2h protocol 4); a reference peer does not
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +212,7 @@ class ReceiveTracker:
         self._serials = 0
         self._book = OutcomeBook()
         self.malformed = 0  # messages refused before any request could be named
+        self.stray_settles = 0  # ids in a ``settled`` that named nothing this peer may settle
 
     # -- local calls --------------------------------------------------------------------
 
@@ -325,11 +341,15 @@ class ReceiveTracker:
 
     # -- remote input -------------------------------------------------------------------
 
-    def peer_admitted(self, identity: bytes, p_session: str, proven: Iterable[str] = ()) -> None:
+    def peer_admitted(
+        self, identity: bytes, p_session: str, proven: Iterable[str] = (), *, confirms: bool = True
+    ) -> None:
         """The peer's mf_meta was accepted (a repeated one replaces the earlier). ``proven``:
         the identities it proved (its engine session id, its CURVE key), which requests
-        expected from a given Prefill are matched against."""
-        self._peers[identity] = _Peer(_PeerState.ADMITTED, p_session, proven=frozenset(proven))
+        expected from a given Prefill are matched against. ``confirms``: it says how each
+        request ended (``on_settled``), so the requests it contributes to wait for that
+        before DONE; False for a reference-implementation peer, which never does."""
+        self._peers[identity] = _Peer(_PeerState.ADMITTED, p_session, proven=frozenset(proven), confirms=confirms)
 
     def peer_refused(self, identity: bytes, p_session: str, error: RD2HError) -> None:
         """The peer's mf_meta was refused: its readiness fails with ``error`` from now on."""
@@ -421,7 +441,7 @@ class ReceiveTracker:
             request = self._requests.get(ext_id)
             if request is None or request.terminal or ext_id not in admission.readable:
                 continue
-            error = self._final(request, member, batch.tp_ratio)
+            error = self._final(request, identity, member, batch.tp_ratio)
             if error is not None:
                 reply_failures[ext_id] = error
                 self._fail(request, error, now)
@@ -430,6 +450,46 @@ class ReceiveTracker:
             if request is not None:
                 self._settle_if_idle(request, now)
         return reply_failures
+
+    def on_settled(self, identity: bytes, settled: protocol.Settled, now: float) -> list[str]:
+        """Prefill says how requests ended on its side: a DONE confirms (the request is DONE
+        once every final contributor confirmed), a failure fails the request here too. Ids
+        this peer may not settle are counted and ignored; a DONE for a request this peer
+        never finished reading is a protocol violation that fails it. Returns the ids that
+        settled."""
+        peer = self._peers.get(identity)
+        if peer is None or peer.state is not _PeerState.ADMITTED:
+            self.stray_settles += len(settled.done_ext_ids) + len(settled.failed_ext_ids)
+            return []
+        hit = []
+        for ext_id in settled.done_ext_ids:
+            request = self._requests.get(ext_id)
+            if request is None or request.terminal or identity not in request.peers:
+                self.stray_settles += 1
+                continue
+            if identity not in request.unconfirmed:
+                self._fail(request, ProtocolError(
+                    f"request {ext_id!r}: Prefill {peer.p_session!r:.80} says it is done, but its final "
+                    "layer was not read from that peer"
+                ), now)
+                hit.append(ext_id)
+                continue
+            request.unconfirmed.discard(identity)
+            if request.state is ReceiveState.CONFIRMING and not request.unconfirmed:
+                request.apply(_Event.CONFIRMED)
+                self._settle_if_idle(request, now)
+                hit.append(ext_id)
+        if settled.failed_ext_ids:
+            error = settled.exception()
+            error.args = (f"Prefill {peer.p_session[:80]}: {error}", *error.args[1:])
+            for ext_id in settled.failed_ext_ids:
+                request = self._requests.get(ext_id)
+                if request is None or request.terminal or not self._may_settle(request, identity, peer):
+                    self.stray_settles += 1
+                    continue
+                self._fail(request, error, now)
+                hit.append(ext_id)
+        return hit
 
     def reply_lost(self, admission: Admission, error: RD2HError, now: float) -> list[str]:
         """The reply to the readiness ``admission`` answered never reached Prefill (it gave
@@ -468,10 +528,16 @@ class ReceiveTracker:
     def _may_announce(request: _Request, proven: frozenset[str]) -> bool:
         return request.expected_peer is None or request.expected_peer in proven
 
+    def _may_settle(self, request: _Request, identity: bytes, peer: _Peer) -> bool:
+        """A peer may fail a request it announced, or one it may announce that nobody did yet."""
+        if identity in request.peers:
+            return True
+        return not request.peers and self._may_announce(request, peer.proven)
+
     def _why_unreadable(self, ext_id: str, now: float, proven: frozenset[str] = frozenset()) -> RD2HError | None:
         request = self._requests.get(ext_id)
         if request is not None:
-            if request.terminal:
+            if request.terminal or request.state is ReceiveState.CONFIRMING:
                 return StateError(f"request {ext_id!r} is already {request.state.value} on Decode")
             return None
         if ext_id in self._book:
@@ -485,8 +551,9 @@ class ReceiveTracker:
             self._early.popitem(last=False)
         return UnknownRequestError(f"request {ext_id!r} is not expected on this Decode rank")
 
-    def _final(self, request: _Request, member: int, ratio: int) -> RD2HError | None:
-        """Contributor ``member`` says it sent everything; None if believed (and counted)."""
+    def _final(self, request: _Request, identity: bytes, member: int, ratio: int) -> RD2HError | None:
+        """Contributor ``member`` (peer ``identity``) says it sent everything; None if believed
+        (and counted)."""
         if request.ratio is None:
             request.ratio = ratio
         elif request.ratio != ratio:
@@ -498,8 +565,11 @@ class ReceiveTracker:
         if gap is not None:
             return BlockRangeError(f"request {request.ext_id!r}: final signal, but {gap}")
         request.finals.add(member)
+        peer = self._peers.get(identity)
+        if peer is not None and peer.confirms:
+            request.unconfirmed.add(identity)
         if len(request.finals) == ratio:
-            request.apply(_Event.COMPLETE)
+            request.apply(_Event.READ_ALL if request.unconfirmed else _Event.COMPLETE)
         return None
 
     def _holder(self, what: str, block: int) -> str:

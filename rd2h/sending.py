@@ -17,6 +17,10 @@ Remote input never raises: malformed frames, replies for layers not in flight or
 unknown endpoints, READ_FAILED naming requests that are not there are counted in
 :attr:`SendTracker.counters` and otherwise ignored; a failure becomes the outcome of the
 requests it names (never of a slot or of the next request).
+
+Each settled request is told to its Decode endpoints (``take_notices``): DONE confirms what
+Decode read (Decode reports DONE only then, so the two sides agree), FAILED and ABORTED
+let Decode fail the request at once instead of at its deadline.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from rd2h.errors import (
     ReplyTimeout,
     StateError,
     UnknownRequestError,
+    wire_kind,
 )
 from rd2h.outcome import Outcome, OutcomeBook, TerminalState
 from rd2h.send_states import (
@@ -93,6 +98,14 @@ class Effects:
     disconnects: list[str] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Notices:
+    """How requests ended, not yet told to one endpoint."""
+
+    done: list[str] = field(default_factory=list)
+    failed: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (error, kind) -> ids
+
+
 class SendTracker:
     """Every request and Decode endpoint of one Prefill TP rank.
 
@@ -138,6 +151,7 @@ class SendTracker:
         self._draining = np.zeros(16, bool)
         self._owner: dict[int, RequestRecord] = {}
         self._free = list(range(15, -1, -1))
+        self._notices: dict[str, _Notices] = {}
         self.counters = {"stray": 0, "stale": 0, "malformed": 0, "unknown_failed_ids": 0, "acks": 0}
 
     # -- local calls -----------------------------------------------------------------------
@@ -327,6 +341,19 @@ class SendTracker:
     def unsettled(self, ext_ids: Iterable[str]) -> list[str]:
         return [e for e in ext_ids if e in self._requests]
 
+    def take_notices(self) -> list[tuple[str, bytes]]:
+        """``(address, frame)`` to send, no reply expected: how the requests settled since the
+        last call ended, for each endpoint that heard of them (consumed). A frame that cannot
+        be sent is lost: Decode then fails the request at its deadline."""
+        frames = []
+        for address, notices in self._notices.items():
+            if notices.done:
+                frames.append((address, protocol.encode(protocol.Settled(tuple(notices.done)))))
+            for (error, kind), ids in notices.failed.items():
+                frames.append((address, protocol.encode(protocol.Settled((), tuple(ids), error, kind))))
+        self._notices.clear()
+        return frames
+
     # -- remote input and time -------------------------------------------------------------
 
     def on_reply(self, address: str, frame: bytes, now: float) -> Effects:
@@ -500,11 +527,32 @@ class SendTracker:
                 now,
             )
         )
+        self._notify(request, terminal)
         del self._requests[request.ext_id]
         del self._owner[request.slot]
         self._nbytes[request.slot] = 0
         self._draining[request.slot] = False
         self._free.append(request.slot)
+
+    def _notify(self, request: RequestRecord, terminal: TerminalState) -> None:
+        """Queue the notice of how ``request`` ended for each of its endpoints that knows this
+        Prefill. A failure goes to a SILENT endpoint too, over a new connection: a Decode that
+        was only stopped still holds this Prefill's mf_meta (the identity is kept), and may
+        read the readiness queued before it stopped; told, it fails the request instead of
+        waiting for its deadline. A NEW endpoint never heard of this Prefill."""
+        if terminal is TerminalState.FAILED and request.error is not None:
+            key = (str(request.error), wire_kind(request.error))
+        else:
+            key = (f"request {request.ext_id!r} was aborted on Prefill", "StateError")
+        for address in request.addresses:
+            endpoint = self._endpoints.get(address)
+            if endpoint is None or endpoint.state is EndpointState.NEW:
+                continue
+            notices = self._notices.setdefault(address, _Notices())
+            if terminal is TerminalState.DONE:
+                notices.done.append(request.ext_id)  # every endpoint answered: all listening
+            else:
+                notices.failed.setdefault(key, []).append(request.ext_id)
 
     def _take_slot(self) -> int:
         if not self._free:

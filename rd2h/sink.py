@@ -53,6 +53,7 @@ from rd2h.regions import RegionSet, merge_by_device
 __all__ = ["Destinations", "LayerStat", "MainSplit", "Sink"]
 
 log = logging.getLogger("rd2h.sink")
+_SLOW_SECONDS = 1.0  # a message that holds the loop longer is logged: the other peers waited
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +286,11 @@ class Sink:
             item = self._listener.recv(self._poll)
             try:
                 if item is not None:
+                    started = time.monotonic()
                     self._handle(*item)
+                    took = time.monotonic() - started
+                    if took > _SLOW_SECONDS:  # every other peer waited this long
+                        log.warning("rank %d: one message from %r held the loop %.1f s", self.rank, item[0], took)
                 with self._changed:
                     if self._tracker.expire(self._clock()):
                         self._changed.notify_all()
@@ -309,6 +314,10 @@ class Sink:
             return
         if isinstance(message, protocol.MfMeta):
             self._on_meta(identity, message)
+        elif isinstance(message, protocol.Settled):
+            with self._changed:
+                if self._tracker.on_settled(identity, message, self._clock()):
+                    self._changed.notify_all()
         else:
             self._on_ready(identity, message)
 
@@ -316,6 +325,7 @@ class Sink:
         old = self._peers.pop(identity, None)
         if old is not None:
             old.session.close()
+        started = time.monotonic()
         try:
             protocol.check_compatible(meta, accept_legacy=self._accept_legacy)
             layers = meta.layers()
@@ -330,13 +340,16 @@ class Sink:
                 self._tracker.peer_refused(identity, meta.p_session, exc)
             self._forget_all(self._book.admit(identity, None, self._clock(), self._announcing))
             return
+        took = time.monotonic() - started
+        if took > 1.0:
+            log.warning("rank %d: connecting to Prefill %s took %.1f s", self.rank, meta.p_session[:80], took)
         self._peers[identity] = _Peer(meta.p_session, layers, session, RegionSet(session.peer_regions))
         # What the peer proved: the engine's peer id (proven by a PROVES_PEER engine, else as
         # declared) and the channel's authenticated key, if any.
         key = self._listener.peer_key(identity)
         proven = [session.peer_id] if key is None else [session.peer_id, key]
         with self._changed:
-            self._tracker.peer_admitted(identity, meta.p_session, proven)
+            self._tracker.peer_admitted(identity, meta.p_session, proven, confirms=not meta.legacy)
         self._forget_all(self._book.admit(identity, session.peer_id, self._clock(), self._announcing))
         try:
             self._listener.send(identity, protocol.ACK_FRAME)

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rd2h import protocol
@@ -59,9 +59,11 @@ class _Task:
     layer_name: str
     event: _Event | None
     step: Step
+    queued: float = field(default_factory=time.monotonic)
 
 
 _STOP = object()
+_SLOW_SECONDS = 1.0  # a layer that waits longer for the sender thread is logged
 
 
 def _block_bytes(layout: LayerLayout) -> tuple[int, int]:
@@ -178,6 +180,8 @@ class Source:
         with self._lock:
             self._step, problems = self._tracker.schedule(computed_tokens, self._clock())
             self._lock.notify_all()
+        if problems:
+            self._dialer.wakeup()  # a failed request's notice goes out from the sender thread
         for ext_id, error in problems.items():
             log.warning("Prefill rank %d: request %r not scheduled: %s", self.rank, ext_id, error)
         return problems
@@ -244,7 +248,9 @@ class Source:
         with self._lock:
             found = self._tracker.abort(ext_id, self._clock())
             self._lock.notify_all()
-            return found
+        if found:
+            self._dialer.wakeup()  # its notice goes out from the sender thread
+        return found
 
     @property
     def stray_replies(self) -> int:
@@ -318,11 +324,16 @@ class Source:
         its effects outside the lock."""
         with self._lock:
             effects = call(*args, self._clock())
+            notices = self._tracker.take_notices()
             self._lock.notify_all()
         self._carry_out(effects)
+        self._tell(notices)
         return effects
 
     def _announce(self, task: _Task) -> None:
+        waited = time.monotonic() - task.queued
+        if waited > _SLOW_SECONDS:
+            log.warning("Prefill rank %d: layer %r waited %.1f s to be announced", self.rank, task.layer_name, waited)
         try:
             if task.event is not None:
                 task.event.synchronize()
@@ -353,6 +364,15 @@ class Source:
             self._dialer.disconnect(address)
         for layer_idx, address in effects.released:
             self._released(self._gate.replied(layer_idx, address), layer_idx)
+
+    def _tell(self, notices: list[tuple[str, bytes]]) -> None:
+        """Send how requests ended; nothing waits for these, so a failure is only logged
+        (Decode then fails the request at its deadline)."""
+        for address, frame in notices:
+            try:
+                self._dialer.send(address, frame)
+            except RD2HError as exc:
+                log.warning("Prefill rank %d: could not tell %s how requests ended: %s", self.rank, address, exc)
 
     def _expire(self) -> None:
         effects = self._feed(self._tracker.expire)

@@ -123,6 +123,14 @@ class Process:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
+_LIVE: list[Cluster] = []
+
+
+def live_clusters() -> list[Cluster]:
+    """Clusters started and not yet closed, for the failure report (conftest)."""
+    return list(_LIVE)
+
+
 class Cluster:
     """A Prefill engine, a Decode engine and ``rd2h proxy``; engines restart on demand
     with other connector settings (``ensure``)."""
@@ -140,6 +148,7 @@ class Cluster:
         self.extra: dict[str, dict[str, Any]] = {}
         self.running_tp: dict[str, int] = {}
         self.starts = 0
+        _LIVE.append(self)
 
     def url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.ports[role]}"
@@ -195,7 +204,13 @@ class Cluster:
         self.procs[role] = self._engine(role, self.extra[role])
         self.procs[role].wait_healthy(self.url(role), timeout=240)
 
+    def log_tails(self, lines: int) -> dict[str, str]:
+        """The last ``lines`` lines of each process's log, by process name."""
+        return {f"{name} ({proc.log.name})": proc.tail(lines) for name, proc in self.procs.items()}
+
     def close(self) -> None:
+        if self in _LIVE:
+            _LIVE.remove(self)
         for proc in self.procs.values():
             proc.stop()
         self.procs.clear()

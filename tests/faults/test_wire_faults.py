@@ -130,9 +130,15 @@ class RawPeer:
         return [f for f in self.socket.recv_multipart() if f][-1]  # Decode sends (b"", payload)
 
     def ready(self, layer_idx: int, name: str, reqs: list[tuple[str, list[int], int]], done: tuple[str, ...]) -> protocol.Reply:
+        """Announce a layer; the reply. Then, as a Prefill of protocol 4 does, say that the
+        ``done`` requests the reply names as read are done."""
         read_reqs = tuple(protocol.ReadRequest(e, ids, ids, start, start) for e, ids, start in reqs)
         self.send(protocol.encode(protocol.ReadReadyBatch(layer_idx, name, read_reqs, done)))
-        return protocol.decode_reply(self.recv())
+        reply = protocol.decode_reply(self.recv())
+        confirmed = protocol.read_ok(reply, done)
+        if confirmed:
+            self.send(protocol.encode(protocol.Settled(confirmed)))
+        return reply
 
     def close(self) -> None:
         self.socket.close(0)

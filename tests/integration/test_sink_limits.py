@@ -74,9 +74,16 @@ class World:
         assert sock.poll(ARRIVAL_MS) and protocol.decode_reply(sock.recv_multipart()[-1]) == protocol.Ack()
 
     def ready(self, sock: zmq.Socket[bytes], data: bytes) -> protocol.Reply:
+        """Send a readiness; the reply. Then, as a Prefill of protocol 4 does, say that its
+        final requests the reply names as read are done."""
         sock.send(data)
         assert sock.poll(ARRIVAL_MS), "Decode did not reply"
-        return protocol.decode_reply(sock.recv_multipart()[-1])
+        reply = protocol.decode_reply(sock.recv_multipart()[-1])
+        batch = protocol.decode_request(data)
+        confirmed = protocol.read_ok(reply, batch.done_ext_ids) if isinstance(batch, protocol.ReadReadyBatch) else ()
+        if confirmed:
+            sock.send(protocol.encode(protocol.Settled(confirmed)))
+        return reply
 
     def close(self) -> None:
         self.sink.close()

@@ -39,11 +39,19 @@ class HandPeer:
     def introduce(self, **fields: object) -> None:
         self.send(MfMeta(self.p_session, encode_layer_metadata(self.layers), engine_metadata=self.engine_metadata, **fields))
 
-    def ready(self, layer: str, reqs: list[tuple[str, list[int], int]], done: tuple[str, ...] = ()) -> protocol.Reply:
-        """Announce ``layer`` for ``reqs`` (id, Prefill block ids, destination start); the reply."""
+    def ready(
+        self, layer: str, reqs: list[tuple[str, list[int], int]], done: tuple[str, ...] = (), confirm: bool = True
+    ) -> protocol.Reply:
+        """Announce ``layer`` for ``reqs`` (id, Prefill block ids, destination start); the reply.
+        With ``confirm``, then say that the ``done`` requests the reply names as read are done
+        (``settled``), as a Prefill of protocol 4 does."""
         read_reqs = tuple(protocol.ReadRequest(e, ids, ids, start, start) for e, ids, start in reqs)
         self.send(protocol.ReadReadyBatch(LAYERS.index(layer), layer, read_reqs, done))
-        return self.reply()
+        reply = self.reply()
+        confirmed = protocol.read_ok(reply, done) if confirm else ()
+        if confirmed:
+            self.send(protocol.Settled(confirmed))
+        return reply
 
     def reply(self) -> protocol.Reply:
         got = self.dialer.recv(10.0)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from rd2h import layer_metadata as lm
 from rd2h import protocol as p
 from rd2h.errors import (
+    BlockRangeError,
     IncompatiblePeerError,
     LayerFailedError,
     RD2HError,
@@ -116,7 +117,11 @@ replies = st.one_of(
     st.builds(p.ReadDone, offsets),
     st.builds(p.ReadFailed, offsets, st.text(max_size=40), st.lists(names, max_size=3).map(tuple), error_kinds),
 )
-requests = st.one_of(mf_metas(), read_ready_batches())
+settleds = st.builds(
+    p.Settled, st.lists(names, max_size=3).map(tuple), st.lists(names, max_size=3).map(tuple),
+    st.text(max_size=40), error_kinds,
+)
+requests = st.one_of(mf_metas(), read_ready_batches(), settleds)
 messages = st.one_of(requests, replies)
 
 
@@ -145,7 +150,7 @@ def sample_layers() -> dict[str, LayerLayout]:
 def test_every_message_round_trips(msg: p.Message) -> None:
     data = p.encode(msg)
     assert p.decode(data) == msg
-    if isinstance(msg, (p.MfMeta, p.ReadReadyBatch)):
+    if isinstance(msg, (p.MfMeta, p.ReadReadyBatch, p.Settled)):
         assert p.decode_request(data) == msg
     else:
         assert p.decode_reply(data) == msg
@@ -167,6 +172,21 @@ def test_read_ready_batch_wire_shape_is_positional_with_bin_tags() -> None:
     assert msgpack.unpackb(p.encode(p.ReadDone(9))) == [b"read_done", 9]
     failed = p.ReadFailed(9, "boom", ("a",), "RegionError")
     assert msgpack.unpackb(p.encode(failed)) == [b"read_failed", 9, "boom", ["a"], "RegionError"]
+
+
+def test_settled_wire_shape_and_its_short_forms() -> None:
+    settled = p.Settled(("a", "b"), ("c",), "aborted", "StateError")
+    assert msgpack.unpackb(p.encode(settled)) == [b"settled", ["a", "b"], ["c"], "aborted", "StateError"]
+    assert p.decode_request(pack(b"settled", ["a"], [])) == p.Settled(("a",))
+    failure = p.decode_request(pack(b"settled", [], ["c"], "gone"))
+    assert isinstance(failure, p.Settled) and isinstance(failure.exception(), RemoteError)
+    assert isinstance(p.Settled.failure(["c"], BlockRangeError("x")).exception(), BlockRangeError)
+    for bad, field in ((pack(b"settled", ["a"]), "at least 3 fields"), (pack(b"settled", [""], []), "done_ext_ids"),
+                       (pack(b"settled", [], [1]), "failed_ext_ids"), (pack(b"settled", [], [], 5), "error")):
+        with pytest.raises(RemoteProtocolError, match=f"settled: .*{field}"):
+            p.decode_request(bad)
+    with pytest.raises(RemoteProtocolError, match="unexpected tag"):
+        p.decode_reply(p.encode(settled))  # Prefill never receives one
 
 
 def test_mf_meta_wire_forms() -> None:

@@ -18,6 +18,7 @@ from rd2h.errors import (
     DuplicateRequestError,
     IncompatiblePeerError,
     PeerGoneError,
+    ProtocolError,
     RD2HError,
     StateError,
     TransferError,
@@ -25,7 +26,7 @@ from rd2h.errors import (
 )
 from rd2h.layout import LayerLayout, TensorLayout
 from rd2h.outcome import TerminalState
-from rd2h.protocol import ReadReadyBatch, ReadRequest
+from rd2h.protocol import ReadReadyBatch, ReadRequest, Settled
 from rd2h.receiving import ReceiveState, ReceiveTracker
 from rd2h.shares import Destinations, MainSplit, plan_reads
 
@@ -58,11 +59,20 @@ def readiness(layer: str, reqs: list[tuple[str, int, int]], done: tuple[str, ...
     )
 
 
-def deliver(t: ReceiveTracker, batch: ReadReadyBatch, now: float = 0.0, failed: dict[str, RD2HError] | None = None, identity: bytes = PEER) -> dict[str, RD2HError]:
-    """What the Sink does with one readiness, minus the bytes: admit, plan, read, apply."""
+def deliver(
+    t: ReceiveTracker, batch: ReadReadyBatch, now: float = 0.0, failed: dict[str, RD2HError] | None = None,
+    identity: bytes = PEER, confirm: bool = True,
+) -> dict[str, RD2HError]:
+    """What the Sink does with one readiness, minus the bytes: admit, plan, read, apply; then,
+    with ``confirm``, what a Prefill does once the reply says its final layer was read: it
+    confirms those requests (``settled``)."""
     admission = t.on_readiness(identity, batch, now)
     _, refused = plan_reads(batch, admission.readable, decode_rank=0, decode_tp=1)
-    return t.on_read(identity, batch, admission, {**refused, **(failed or {})}, {}, now)
+    failures = t.on_read(identity, batch, admission, {**refused, **(failed or {})}, {}, now)
+    read = tuple(e for e in batch.done_ext_ids if e in admission.readable and e not in failures)
+    if confirm and read:
+        t.on_settled(identity, Settled(read), now)
+    return failures
 
 
 def send_all(t: ReceiveTracker, ext_id: str, n: int, start: int = 0, now: float = 0.0) -> dict[str, RD2HError]:
@@ -207,6 +217,103 @@ def test_every_contributor_must_send_its_final_signal() -> None:
             assert deliver(t, readiness(layer, [("r", 0, 2)], done, member, 2)) == {}
         assert t.state("r") is (ReceiveState.RECEIVING if member == 0 else ReceiveState.DONE)
     assert t.take()["r"].ok
+
+
+# -- agreement: DONE only once Prefill said so (protocol 4) -----------------------------------------
+
+
+def test_a_wholly_read_request_waits_for_prefill_to_confirm_it() -> None:
+    """Issue 9 D9 after a stall: Decode read every byte and replied, but the reply came after
+    Prefill gave up and reported ReplyTimeout; Decode reported DONE. Now DONE waits for the
+    Prefill's word, which a Prefill that gave up never sends."""
+    t = tracker()
+    t.expect("r", Destinations.of([3, 5]), now=0.0)
+    for layer in LAYERS:
+        deliver(t, readiness(layer, [("r", 0, 2)], ("r",) if layer == LAYERS[-1] else ()), confirm=False)
+    assert t.state("r") is ReceiveState.CONFIRMING and t.take() == {}
+    assert t.on_settled(PEER, Settled(("r",)), now=2.0) == ["r"]
+    [outcome] = t.take().values()
+    assert outcome.state is TerminalState.DONE and outcome.finished == 2.0
+
+
+def test_an_unconfirmed_request_fails_at_its_deadline_and_holds_its_blocks_till_then() -> None:
+    t = tracker(request_timeout=10.0)
+    t.expect("r", Destinations.of([3]), now=0.0)
+    for layer in LAYERS:
+        deliver(t, readiness(layer, [("r", 0, 1)], ("r",) if layer == LAYERS[-1] else ()), confirm=False)
+    with pytest.raises(DestinationError, match="held by live request 'r'"):
+        t.expect("s", Destinations.of([3]), now=1.0)
+    assert t.expire(10.0) == ["r"]
+    [outcome] = t.take().values()
+    assert isinstance(outcome.error, DeadlineExceeded) and "confirming" in str(outcome.error)
+
+
+def test_a_readiness_for_a_request_awaiting_confirmation_is_refused_untouched() -> None:
+    t = tracker()
+    t.expect("r", Destinations.of([3]), now=0.0)
+    for layer in LAYERS:
+        deliver(t, readiness(layer, [("r", 0, 1)], ("r",) if layer == LAYERS[-1] else ()), confirm=False)
+    failures = deliver(t, readiness("l0", [("r", 0, 1)]), confirm=False)
+    assert isinstance(failures["r"], StateError) and t.state("r") is ReceiveState.CONFIRMING
+
+
+def test_every_contributor_that_announced_the_final_must_confirm() -> None:
+    t = ReceiveTracker(layouts())
+    t.peer_admitted(PEER, "prefill:0")
+    t.peer_admitted(MALLORY, "prefill:1")
+    t.expect("r", Destinations.of([3, 5]), now=0.0)
+    for member, identity in enumerate((PEER, MALLORY)):
+        for layer in LAYERS:
+            batch = readiness(layer, [("r", 0, 2)], ("r",) if layer == LAYERS[-1] else (), member, 2)
+            deliver(t, batch, identity=identity, confirm=False)
+    assert t.on_settled(PEER, Settled(("r",)), 1.0) == [] and t.state("r") is ReceiveState.CONFIRMING
+    assert t.on_settled(MALLORY, Settled(("r",)), 2.0) == ["r"]
+    assert t.take()["r"].state is TerminalState.DONE
+
+
+def test_a_reference_peer_that_never_confirms_completes_on_its_final_signal() -> None:
+    t = tracker()
+    t.peer_admitted(PEER, "legacy", confirms=False)
+    t.expect("r", Destinations.of([3]), now=0.0)
+    send_all(t, "r", 1)
+    assert t.take()["r"].state is TerminalState.DONE
+
+
+def test_prefill_failing_a_request_fails_it_here_at_once_with_its_class() -> None:
+    """The vLLM Prefill aborted the request, or gave up on this Decode: no waiting for the
+    deadline."""
+    t = tracker()
+    t.expect("r", Destinations.of([3]), now=0.0)  # not announced yet: the expected peer may fail it
+    t.expect("s", Destinations.of([4]), now=0.0)
+    deliver(t, readiness("l0", [("s", 0, 1)]))
+    assert sorted(t.on_settled(PEER, Settled.failure(["r", "s"], BlockRangeError("no blocks")), 1.0)) == ["r", "s"]
+    outcomes = t.take()
+    for ext_id in "rs":
+        error = outcomes[ext_id].error
+        assert isinstance(error, BlockRangeError) and "prefill:0" in str(error) and "no blocks" in str(error)
+
+
+def test_settled_from_a_peer_that_may_not_settle_changes_nothing() -> None:
+    t = ReceiveTracker(layouts())
+    t.peer_admitted(PEER, "p", {"alice"})
+    t.peer_admitted(MALLORY, "m", {"mallory"})
+    t.expect("bound", Destinations.of([1]), now=0.0, expected_peer="alice")
+    t.expect("theirs", Destinations.of([2]), now=0.0)
+    deliver(t, readiness("l0", [("theirs", 0, 1)]), identity=PEER)
+    for sender in (MALLORY, REFUSED, b"stranger"):
+        t.on_settled(sender, Settled.failure(["bound", "theirs", "unknown"], StateError("x")), 1.0)
+        t.on_settled(sender, Settled(("bound", "theirs")), 1.0)
+    assert t.state("bound") is ReceiveState.WAITING and t.state("theirs") is ReceiveState.RECEIVING
+    assert t.stray_settles == 15 and t.take() == {}
+
+
+def test_a_done_for_a_request_whose_final_was_not_read_fails_it() -> None:
+    t = tracker()
+    t.expect("r", Destinations.of([3]), now=0.0)
+    deliver(t, readiness("l0", [("r", 0, 1)]))
+    assert t.on_settled(PEER, Settled(("r",)), 1.0) == ["r"]
+    error = t.take()["r"].error
+    assert isinstance(error, ProtocolError) and "final layer was not read" in str(error)
 
 
 # -- D10: destinations are validated when expected ---------------------------------------------
@@ -369,6 +476,7 @@ class ReceiveMachine(RuleBasedStateMachine):
         self.given: set[str] = set()
         self.settled: set[str] = set()  # settled, not collected
         self.reported: list[str] = []
+        self.confirmed: set[str] = set()  # a Prefill said done while they were live
 
     ids = st.sampled_from(["a", "b", "c", "d"])
 
@@ -384,6 +492,7 @@ class ReceiveMachine(RuleBasedStateMachine):
             return
         assert ext_id not in self.live and ext_id not in self.settled
         self.given.add(ext_id)
+        self.confirmed.discard(ext_id)
         if bound:
             self.bound.add(ext_id)
         self.live[ext_id] = (Destinations.of(blocks), first)
@@ -417,6 +526,42 @@ class ReceiveMachine(RuleBasedStateMachine):
                 assert e in replied
         self._sync()
 
+    @rule(ext_id=ids, members=st.sampled_from(["one", "all"]), confirm=st.booleans())
+    def send_wholly(self, ext_id: str, members: str, confirm: bool) -> None:
+        """What honest Prefill ranks send for one request: every layer of it, final on the
+        last, and (``confirm``) that it is done once the reply came; from one contributor
+        of the group or from all."""
+        if ext_id not in self.live:
+            return
+        dest, first = self.live[ext_id]
+        count = len(dest.main) - first
+        for member, layer in [(m, layer) for m in range(self.ratio if members == "all" else 1) for layer in LAYERS]:
+            done = (ext_id,) if layer == LAYERS[-1] else ()
+            batch = readiness(layer, [(ext_id, first, count)], done, member, self.ratio)
+            admission = self.t.on_readiness(PEER, batch, self.now)
+            _, refused = plan_reads(batch, admission.readable, decode_rank=0, decode_tp=1)
+            replied = self.t.on_read(PEER, batch, admission, refused, {}, self.now)
+            if ext_id in admission.readable and ext_id not in replied:
+                self.read[ext_id] |= {(member, layer, p) for p in range(first, first + count)}
+        if confirm and ext_id in self.live:
+            self.t.on_settled(PEER, Settled((ext_id,)), self.now)
+            self.confirmed.add(ext_id)
+        self._sync()
+
+    @rule(data=st.data(), sender=st.sampled_from([PEER, PEER, MALLORY, REFUSED, b"stranger"]), fail=st.booleans())
+    def settled(self, data: st.DataObject, sender: bytes, fail: bool) -> None:
+        """Prefill says how requests ended: in any state, from any peer, even unasked."""
+        chosen = tuple(data.draw(st.lists(self.ids, max_size=3, unique=True)))
+        foreign = {e for e in chosen if e in self.bound and e in self.live and sender != PEER}
+        before = {e: self.t.state(e) for e in foreign}
+        message = Settled.failure(chosen, StateError("gave up")) if fail else Settled(chosen)
+        self.t.on_settled(sender, message, self.now)
+        for e in foreign:  # a request bound to its Prefill is settled by that Prefill only
+            assert self.t.state(e) is before[e], (e, sender)
+        if not fail and sender in (PEER, MALLORY):
+            self.confirmed |= {e for e in chosen if e in self.live}
+        self._sync()
+
     @rule(ext_id=ids)
     def abort(self, ext_id: str) -> None:
         assert self.t.abort(ext_id, self.now) == (ext_id in self.live)
@@ -446,6 +591,7 @@ class ReceiveMachine(RuleBasedStateMachine):
         for ext_id, outcome in outcomes.items():
             assert ext_id in self.given
             if outcome.state is TerminalState.DONE:
+                assert ext_id in self.confirmed, ext_id  # never DONE before its Prefill said so
                 dest, first = self._done_info.pop(ext_id)
                 for member in range(self.ratio):
                     for layer in LAYERS:
@@ -463,6 +609,8 @@ class ReceiveMachine(RuleBasedStateMachine):
         for ext_id in list(self.live):
             if ext_id not in self.t.live():
                 self.bound.discard(ext_id)
+                if self.t.state(ext_id) is not ReceiveState.DONE:
+                    self.confirmed.discard(ext_id)
                 self._done_info[ext_id] = self.live.pop(ext_id)
                 self._done_read[ext_id] = self.read.pop(ext_id)
                 self.settled.add(ext_id)
@@ -487,20 +635,23 @@ ReceiveMachine.TestCase.settings = settings(max_examples=150, stateful_step_coun
 TestReceiveMachine = ReceiveMachine.TestCase
 
 
-def test_a_lost_reply_fails_on_decode_what_prefill_will_fail() -> None:
+@pytest.mark.parametrize("confirms", [True, False])
+def test_a_lost_reply_fails_on_decode_what_prefill_will_fail(confirms: bool) -> None:
     """Issue 9 D9 after a stall: a Decode that resumes after Prefill gave up on it completed
     the request DONE while Prefill reported ReplyTimeout, and neither side knew. The reply
     that would have said DONE cannot be sent: Decode fails the request too."""
     from rd2h.errors import ChannelError
 
     t = tracker()
+    t.peer_admitted(PEER, "prefill:0", confirms=confirms)
     t.expect("r", Destinations.of([0]), 0.0)
     t.expect("s", Destinations.of([1, 2]), 0.0)
     deliver(t, readiness("l0", [("r", 0, 1), ("s", 0, 1)]))
     batch = readiness("l1", [("r", 0, 1), ("s", 0, 1)], ("r",))
     admission = t.on_readiness(PEER, batch, 1.0)
     assert t.on_read(PEER, batch, admission, {}, {}, 1.0) == {}
-    assert t.state("r") is ReceiveState.DONE  # settled, not collected
+    # a reference peer never confirms: DONE, settled and not collected; ours: waits for its word
+    assert t.state("r") is (ReceiveState.CONFIRMING if confirms else ReceiveState.DONE)
     assert sorted(t.reply_lost(admission, ChannelError("peer gone"), 2.0)) == ["r", "s"]
     outcomes = t.take()
     assert {e: o.state for e, o in outcomes.items()} == {"r": TerminalState.FAILED, "s": TerminalState.FAILED}

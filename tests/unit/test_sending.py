@@ -374,6 +374,64 @@ def test_remote_errors_of_unknown_class_stay_remote_errors() -> None:
     assert type(error) is RemoteError and error.kind == "FutureError"
 
 
+# -- telling Decode how requests ended (protocol 4) --------------------------------------------
+
+
+def notices(t: SendTracker) -> list[tuple[str, protocol.Settled]]:
+    told = []
+    for address, frame in t.take_notices():
+        message = protocol.decode_request(frame)
+        assert isinstance(message, protocol.Settled)
+        told.append((address, message))
+    return told
+
+
+def test_a_done_request_is_confirmed_to_every_decode_rank_it_was_sent_to() -> None:
+    t = tracker()
+    t.add_request("r", FAN, main_block_ids=[7, 8], num_tokens=8, now=1.0)
+    t.add_request("s", FAN, main_block_ids=[9], num_tokens=4, now=1.0)
+    step, _ = t.schedule({"r": 8, "s": 4}, 1.0)
+    send_all_layers(t, step)
+    assert notices(t) == []  # nothing settled yet
+    for rank in range(2):
+        answer_all(t, FAN.address(rank))
+    assert sorted(notices(t)) == [(FAN.address(rank), protocol.Settled(("r", "s"))) for rank in range(2)]
+    assert notices(t) == []  # consumed
+    assert {o.state for o in t.take().values()} == {TerminalState.DONE}
+
+
+def test_a_failure_or_an_abort_is_told_with_its_reason() -> None:
+    t = tracker()
+    for ext_id in "rs":
+        t.add_request(ext_id, D0, main_block_ids=[1], num_tokens=4, now=1.0)
+    step, _ = t.schedule({"r": 4, "s": 4}, 1.0)
+    send_all_layers(t, step)
+    t.abort("s", 2.0)
+    t.on_reply(A0, failed(0, ("r",), LayoutTagMismatch("dtype differs")), 2.0)
+    answer_all(t)
+    told = dict((m.failed_ext_ids, m) for _, m in notices(t))
+    assert told[("r",)].error_kind == "LayoutTagMismatch" and "dtype differs" in told[("r",)].error
+    assert told[("s",)].error_kind == "StateError" and "aborted on Prefill" in told[("s",)].error
+
+
+def test_a_decode_that_was_given_up_on_is_told_the_failure_and_a_new_one_nothing() -> None:
+    """The request failed with ReplyTimeout: every Decode rank of it is told, the silent one
+    too (a stopped Decode that continues must not wait for its deadline, nor end DONE); a
+    Decode this Prefill never introduced itself to is told nothing."""
+    t = tracker()
+    t.add_request("r", FAN, main_block_ids=[1, 2], num_tokens=8, now=0.0)
+    t.add_request("never", D1, main_block_ids=[], num_tokens=4, now=0.0)
+    step, problems = t.schedule({"r": 8, "never": 4}, 0.0)  # "never" has no blocks: failed
+    assert isinstance(problems["never"], ConfigError)
+    send_all_layers(t, step, 0.0)
+    answer_all(t, FAN.address(1), now=1.0)  # rank 1 answered, rank 0 falls silent
+    assert t.expire(TIMEOUT + 1).disconnects == [FAN.address(0)]
+    told = notices(t)
+    assert sorted((a, m.failed_ext_ids, m.error_kind) for a, m in told) == [
+        (FAN.address(rank), ("r",), "ReplyTimeout") for rank in range(2)
+    ]
+
+
 # -- stateful ---------------------------------------------------------------------------------
 
 IDS = ["a", "b", "c"]
@@ -415,10 +473,12 @@ class SendTrackerMachine(RuleBasedStateMachine):
         self.uncollected: set[str] = set()  # added, outcome not yet handed out
         self.tokens: dict[str, int] = {}
         self.step: Any = self.t.schedule({}, 0.0)[0]
+        self.last_state: dict[str, TerminalState] = {}  # of the last instance collected
 
     def collected(self, outcomes: dict[str, Any]) -> None:
         for ext_id, outcome in outcomes.items():
             assert ext_id in self.uncollected, f"{ext_id!r} reported twice or never given"
+            self.last_state[ext_id] = outcome.state
             self.uncollected.discard(ext_id)
             self.reported[ext_id] += 1
             assert outcome.ext_id == ext_id and outcome.finished <= self.now
@@ -534,6 +594,21 @@ class SendTrackerMachine(RuleBasedStateMachine):
         if found is not None:
             assert set(found) == set(chosen)
             self.collected(found)
+
+    @invariant()
+    def decode_is_told_how_each_request_ended(self) -> None:
+        """Notices name only settled requests, once per endpoint, with the outcome they had
+        (one rule settles an id at most once: a re-add needs a collect first)."""
+        seen: set[tuple[str, str]] = set()
+        for address, frame in self.t.take_notices():
+            notice = protocol.decode_request(frame)
+            assert isinstance(notice, protocol.Settled) and address in {e.address(r) for e in ENDPOINTS for r in range(e.tp_size)}
+            for ext_id, ok in [(e, True) for e in notice.done_ext_ids] + [(e, False) for e in notice.failed_ext_ids]:
+                assert (address, ext_id) not in seen and ext_id not in self.t.live_ids()
+                seen.add((address, ext_id))
+                state = self.t._book.peek(ext_id).state if ext_id in self.t._book else self.last_state[ext_id]
+                assert (state is TerminalState.DONE) == ok, (ext_id, state)
+                event(f"notice {'done' if ok else 'failed'}")
 
     @invariant()
     def nothing_survives_a_settled_request(self) -> None:

@@ -46,6 +46,7 @@ log = logging.getLogger("rd2h_zmq")
 # libzmq compares ZMQ_MAXMSGSIZE with the frame on the wire, which under CURVE carries a
 # box header and MAC; leave room for it so a payload of exactly max_frame_bytes passes.
 _WIRE_OVERHEAD = 256
+_CLOSE_LINGER_MS = 500  # what a closing dialer gives its queued frames to leave
 _UNBIND_WAIT = 1.0  # seconds close() waits for libzmq to release a listening port
 _KEY_BYTES = 40  # a Z85 CURVE public key, as libzmq's ZAP handler names the peer (User-Id)
 
@@ -350,19 +351,24 @@ class ZmqDialer(Dialer):
 
     def disconnect(self, address: str) -> None:
         """Close the connection to ``address``, dropping what is queued. Unknown: no-op."""
+        self._drop(address, 0)
+
+    def _drop(self, address: str, linger: int) -> None:
         sock = self._sockets.pop(address, None)
         if sock is None:
             return
         del self._addresses[sock]
         self._poller.unregister(sock)
-        sock.close(linger=0)
+        sock.close(linger=linger)
 
     def close(self) -> None:
+        """Close every connection; frames still queued get ``_CLOSE_LINGER_MS`` to leave (the
+        last ``settled`` notices are sent just before a Prefill closes)."""
         if self._closed:
             return
         self._closed = True
         for address in list(self._sockets):
-            self.disconnect(address)
+            self._drop(address, _CLOSE_LINGER_MS)
         self._poller.unregister(self._wake_r)
         os.close(self._wake_r)
         os.close(self._wake_w)
