@@ -49,6 +49,9 @@ class Capability(enum.Flag):
     # connect() proves that the metadata comes from the process it names and that the peer
     # registered every region it declares; without it, an engine believes what it is told
     PROVES_PEER = enum.auto()
+    # connect() may run on another thread while read_batch runs on other sessions: Decode then
+    # admits a new Prefill off its loop, so a slow handshake delays no other peer's replies
+    CONCURRENT_CONNECT = enum.auto()
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from rd2h import protocol
 from rd2h.clock import Clock, monotonic
 from rd2h.errors import (
+    ChannelError,
     LayoutError,
     PeerGoneError,
     ProtocolError,
@@ -39,7 +41,8 @@ from rd2h.errors import (
     WaitTimeout,
     wire_kind,
 )
-from rd2h.interfaces import Listener, Session, TransferEngine
+from rd2h.admission import Admissions, Handshake
+from rd2h.interfaces import Capability, Listener, Session, TransferEngine
 from rd2h.layout import LayerLayout
 from rd2h.plan_cache import StepPlans
 from rd2h.planning import LayerPlan, RequestRead
@@ -54,6 +57,7 @@ __all__ = ["Destinations", "LayerStat", "MainSplit", "Sink"]
 
 log = logging.getLogger("rd2h.sink")
 _SLOW_SECONDS = 1.0  # a message that holds the loop longer is logged: the other peers waited
+_ADMISSION_POLL = 0.002  # how often the loop looks at handshakes in progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +156,9 @@ class Sink:
         self._liveness = liveness_seconds
         self._on_layer = on_layer
         self._peers: dict[bytes, _Peer] = {}  # loop thread only
+        # handshakes run off the loop when the engine allows it (rd2h.admission)
+        self._concurrent_connect = bool(getattr(engine, "capabilities", Capability.NONE) & Capability.CONCURRENT_CONNECT)
+        self._admissions = Admissions(rank)
         self._book = PeerBook(peer_limits or PeerLimits())  # loop thread only; caps and idle peers
         # loop thread only: what a step repeats on every layer is derived once per step
         self._decoder = ReadinessDecoder()
@@ -261,6 +268,7 @@ class Sink:
             for ext_id in self._tracker.live():
                 self._tracker.fail(ext_id, RD2HError(f"Decode rank {self.rank} closed"), self._clock())
             self._changed.notify_all()
+        self._admissions.close()
         for peer in self._peers.values():
             peer.session.close()
         self._peers.clear()
@@ -283,8 +291,11 @@ class Sink:
     def _run(self) -> None:
         next_check = 0.0
         while not self._stop.is_set():
-            item = self._listener.recv(self._poll)
+            # while a handshake runs, look at it often: the peer's readiness waits for it
+            item = self._listener.recv(_ADMISSION_POLL if self._admissions else self._poll)
             try:
+                if self._admissions:
+                    self._finish_handshakes()
                 if item is not None:
                     started = time.monotonic()
                     self._handle(*item)
@@ -302,6 +313,9 @@ class Sink:
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         self._book.seen(identity, self._clock())
+        if identity in self._admissions:  # handled in order once its handshake ends
+            self._admissions.hold(identity, frame)
+            return
         over = oversized_readiness(frame, self._book.limits.max_ids_per_message)
         if over is not None:  # refused before decoding: decoding costs ~28 bytes per id
             self._refuse_oversized(identity, over)
@@ -331,18 +345,42 @@ class Sink:
             layers = meta.layers()
             if meta.legacy:  # a reference-shaped peer: only its session id to go on
                 session = self._engine.connect_legacy(meta.p_session)
+            elif self._concurrent_connect:
+                connect = partial(self._engine.connect, meta.engine_metadata)
+                if not self._admissions.start(identity, meta, layers, connect):
+                    raise ChannelError("too many handshakes in progress on this Decode rank; introduce yourself again later")
+                return
             else:
                 session = self._engine.connect(meta.engine_metadata)
         except RD2HError as exc:
-            # No ACK: every readiness of this peer is answered with this reason instead.
-            log.error("rank %d: refused mf_meta from %s: %s", self.rank, meta.p_session[:80], exc)
-            with self._changed:
-                self._tracker.peer_refused(identity, meta.p_session, exc)
-            self._forget_all(self._book.admit(identity, None, self._clock(), self._announcing))
+            self._refuse(identity, meta, exc)
             return
         took = time.monotonic() - started
-        if took > 1.0:
+        if took > _SLOW_SECONDS:
             log.warning("rank %d: connecting to Prefill %s took %.1f s", self.rank, meta.p_session[:80], took)
+        self._admit(identity, meta, layers, session)
+
+    def _finish_handshakes(self) -> None:
+        for identity, handshake in self._admissions.finished():
+            self._finish_handshake(identity, handshake)
+
+    def _finish_handshake(self, identity: bytes, handshake: Handshake) -> None:
+        result = handshake.result()
+        if isinstance(result, RD2HError):
+            self._refuse(identity, handshake.meta, result)
+        else:
+            self._admit(identity, handshake.meta, handshake.layers, result)
+        for frame in handshake.held:  # in the order they came; another mf_meta holds the rest again
+            self._handle(identity, frame)
+
+    def _refuse(self, identity: bytes, meta: protocol.MfMeta, exc: RD2HError) -> None:
+        # No ACK: every readiness of this peer is answered with this reason instead.
+        log.error("rank %d: refused mf_meta from %s: %s", self.rank, meta.p_session[:80], exc)
+        with self._changed:
+            self._tracker.peer_refused(identity, meta.p_session, exc)
+        self._forget_all(self._book.admit(identity, None, self._clock(), self._announcing))
+
+    def _admit(self, identity: bytes, meta: protocol.MfMeta, layers: dict[str, LayerLayout], session: Session) -> None:
         self._peers[identity] = _Peer(meta.p_session, layers, session, RegionSet(session.peer_regions))
         # What the peer proved: the engine's peer id (proven by a PROVES_PEER engine, else as
         # declared) and the channel's authenticated key, if any.

@@ -483,6 +483,45 @@ class EngineConformance:
         assert not any(t.is_alive() for t in threads), "concurrent reads hung"
         assert not failures, failures
 
+    def test_connect_while_reading(
+        self, reader: Reader, session: Session, peer: PeerProcess, request: pytest.FixtureRequest
+    ) -> None:
+        """``CONCURRENT_CONNECT``: a connect on one thread while another reads over an open
+        session (Decode admits a new Prefill off its loop): both succeed, bytes exact."""
+        if not type(reader.engine).capabilities & Capability.CONCURRENT_CONNECT:
+            pytest.skip(f"{self.engine_name} does not declare CONCURRENT_CONNECT: Decode connects on its loop")
+        fresh_peer: PeerProcess = request.getfixturevalue("fresh_peer")
+        half = len(reader.dest) // 2
+        stop, failures, rounds = threading.Event(), [], [0]
+
+        def read_until_stopped() -> None:
+            while not stop.is_set():
+                descs = self.blocks(peer, half // self.block_len // 2, seed=rounds[0], dest_start=0)
+                try:
+                    reader.dest[:half] = SENTINEL
+                    self.read(reader, session, peer, descs)
+                    _assert_bytes(reader.dest[:half], _image(reader, peer, descs, 0, half), f"round {rounds[0]}")
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    failures.append(repr(exc))
+                    return
+                rounds[0] += 1
+
+        reading = threading.Thread(target=read_until_stopped, daemon=True)
+        reading.start()
+        try:
+            for _ in range(3):
+                second = reader.engine.connect(fresh_peer.metadata)
+                descs = self.blocks(fresh_peer, 2, seed=7, dest_start=half)
+                reader.dest[half:] = SENTINEL
+                self.read(reader, second, fresh_peer, descs)
+                _assert_bytes(reader.dest[half:], _image(reader, fresh_peer, descs, half), "the new session")
+                second.close()
+        finally:
+            stop.set()
+            reading.join(self.failure_bound_s)
+        assert not reading.is_alive(), "reads hung while connecting"
+        assert not failures and rounds[0] > 0, (failures, rounds)
+
     def test_close_is_idempotent_and_final(self, reader: Reader, peer: PeerProcess) -> None:
         other = Reader(self.make_engine(self.reader_role), 1 << 20)
         try:

@@ -101,6 +101,7 @@ class LocalEngine(TransferEngine):
         | Capability.WRITE_TO_HOST
         | Capability.NEEDS_REGISTERED_DESTINATIONS
         | Capability.PROVES_PEER
+        | Capability.CONCURRENT_CONNECT  # connect shares only the lock-guarded session list
     )
 
     @classmethod
