@@ -17,12 +17,20 @@ import memory_kinds
 import pingpong
 import profile_demo
 import pytest
+import request_latency
 import scaling
 
 
 def test_pingpong_round_trips() -> None:
     result = pingpong.measure(50)
     assert result["rounds"] == 50 and 0 < result["p50_us"] <= result["p99_us"]
+
+
+def test_request_latency_reports_both_sides(tmp_path: Path) -> None:
+    out = tmp_path / "latency.json"
+    assert request_latency.main(["--requests", "5", "--layers", "2", "--rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert 0 < report["current"]["prefill_p50_us"] and 0 < report["current"]["decode_p50_us"]
 
 
 def test_end_to_end_tiny_layers(tmp_path: Path) -> None:
