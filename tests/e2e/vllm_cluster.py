@@ -31,6 +31,11 @@ ENGINE_ENV = {
     "OMP_NUM_THREADS": "1",
 }
 
+# Two to eight vLLM processes share the 2 cores of a CI machine: a Prefill step was seen to
+# take 23 s and a Decode to leave a readiness unanswered past the default 30 s reply timeout
+# (a 500 to the client). These tests check tokens, not latency: more time before giving up.
+STARVED_TIMEOUTS = {"reply_timeout": 90.0, "request_timeout": 240.0}
+
 # chunked prefill: a prompt longer than 128 tokens gets its blocks over several steps
 ENGINE_ARGS = [
     "--enforce-eager", "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",
@@ -157,7 +162,7 @@ class Cluster:
         config = {
             "kv_connector": "RD2HConnector",  # found through the entry point alone
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_connector_extra_config": {"kv_port": self.kv_port, **extra},
+            "kv_connector_extra_config": {"kv_port": self.kv_port, **STARVED_TIMEOUTS, **extra},
         }
         self.starts += 1
         argv = [
