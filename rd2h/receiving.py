@@ -312,6 +312,10 @@ class ReceiveTracker:
             return None
         return self._book.pop(ids)
 
+    def settled(self) -> int:
+        """Outcomes settled and not yet collected."""
+        return len(self._book)
+
     def pending(self, ext_ids: Iterable[str]) -> list[str]:
         return [e for e in ext_ids if e not in self._book]
 

@@ -338,6 +338,10 @@ class SendTracker:
             return None
         return self._book.pop(ext_ids)
 
+    def settled(self) -> int:
+        """Outcomes settled and not yet collected."""
+        return len(self._book)
+
     def unsettled(self, ext_ids: Iterable[str]) -> list[str]:
         return [e for e in ext_ids if e in self._requests]
 

@@ -255,6 +255,12 @@ class Sink:
                     raise WaitTimeout(f"Decode rank {self.rank}: {pending[:5]} still pending after {timeout:.1f}s")
                 self._changed.wait(remaining)
 
+    def wait_any(self, timeout: float) -> bool:
+        """Block until some outcome is settled and not taken, ``timeout`` seconds at most;
+        whether one is. Consumes nothing."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._tracker.settled() > 0, timeout)
+
     def close(self) -> None:
         """Stop the loop, fail what is still live, close the sessions, listener and engine.
         Idempotent."""

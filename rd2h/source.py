@@ -241,6 +241,12 @@ class Source:
                 self._lock.wait(remaining)
         return found
 
+    def wait_any(self, timeout: float) -> bool:
+        """Block until some request ended and is not taken, ``timeout`` seconds at most;
+        whether one did. Consumes nothing."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._tracker.settled() > 0, timeout)
+
     def abort(self, ext_id: str) -> bool:
         """Give up on ``ext_id``: it is announced no more and reported ABORTED once no
         Decode endpoint may still be reading its blocks (a request that already failed

@@ -79,6 +79,7 @@ class StepMetadata(KVConnectorMetadata):
     computed: tuple[tuple[str, int], ...] = ()  # ext id -> prompt tokens cached after this step
     send_finish: tuple[SendFinish, ...] = ()
     send_abort: tuple[str, ...] = ()  # ext ids preempted mid-send: stop, never report them
+    idle: bool = False  # the step computes nothing: it only waits for transfers to end
 
     @property
     def sends(self) -> bool:

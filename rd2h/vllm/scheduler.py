@@ -61,6 +61,9 @@ class _Recv:
     # a vLLM without worker reports: the step that carried it came back (on every worker:
     # vLLM gathers all workers' outputs before this update)
     sent_to_workers: bool = False
+    # workers that said they expect it, summed over steps: a worker's report may come back
+    # with a later step than another's, and a per-step count would then never reach the world
+    reported: int = 0
 
 
 @dataclass
@@ -154,7 +157,8 @@ class RD2HScheduler:
         for recv in self._recv.values():
             if recv.posted:
                 continue
-            if expected.get(recv.ext_id, 0) >= self.world_size or (not WORKER_REPORTS and recv.sent_to_workers):
+            recv.reported += expected.get(recv.ext_id, 0)
+            if recv.reported >= self.world_size or (not WORKER_REPORTS and recv.sent_to_workers):
                 recv.posted = True
                 self._post(recv)
 
@@ -219,7 +223,7 @@ class RD2HScheduler:
         meta = StepMetadata(
             recv=tuple(self._recv_new), recv_abort=tuple(self._recv_abort), send_new=tuple(send_new),
             send_blocks=tuple(send_blocks), computed=tuple(computed), send_finish=tuple(self._send_finish),
-            send_abort=tuple(send_abort),
+            send_abort=tuple(send_abort), idle=not scheduler_output.total_num_scheduled_tokens,
         )
         self._recv_new, self._recv_abort, self._send_finish = [], [], []
         return meta

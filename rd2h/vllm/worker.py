@@ -35,6 +35,7 @@ __all__ = ["RD2HWorker", "split_layers"]
 
 log = logging.getLogger("rd2h.vllm.worker")
 
+IDLE_WAIT_SECONDS = 0.01  # the longest an idle step waits for a transfer to end (see _wait_when_idle)
 _INDEXER_SUFFIX = ".indexer.k_cache"
 
 
@@ -231,6 +232,7 @@ class RD2HWorker:
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) request ids, each once."""
+        self._wait_when_idle()
         if self.sink is not None:
             for ext_id, outcome in self.sink.take().items():
                 req_id = self._recv_req.pop(ext_id, None)
@@ -261,6 +263,19 @@ class RD2HWorker:
         results = self._finished_sending, self._finished_recving, self._failed_recving
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return results
+
+    def _wait_when_idle(self) -> None:
+        """A step with nothing to compute and transfers in flight comes back at once, and vLLM
+        steps again: on a CPU host its engine and workers then spin through empty steps and
+        take the cores the Prefill engine computes on (seen in the TP 2 tests: Decode workers
+        at 70% CPU each, Prefill steps of 23 s). Such a step waits up to ``IDLE_WAIT_SECONDS``
+        for a transfer to end; it returns at once when one does."""
+        if self._bound is None or not self._bound.idle:
+            return
+        if self.sink is not None and self._recv_req:
+            self.sink.wait_any(IDLE_WAIT_SECONDS)
+        elif self.source is not None and self._finishing:
+            self.source.wait_any(IDLE_WAIT_SECONDS)
 
     def _take_sent(self) -> dict[str, Outcome]:
         take = getattr(self.source, "take", None) or self.source.take_finished

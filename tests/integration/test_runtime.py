@@ -223,3 +223,19 @@ def test_a_sink_binds_one_address_and_advertises_another(kv_port: int) -> None:
         source.send_all({"r": BLOCK})
         assert sink.wait(["r"], 10)["r"].ok
     assert _same(dst["l"], src["l"], [3], [1])
+
+
+def test_wait_any_wakes_when_an_outcome_settles_on_either_side(kv_port: int) -> None:
+    """What an idle vLLM step waits on: True once some outcome is there (not consumed),
+    False after the timeout when none is."""
+    from layers import layer_tensors
+
+    src, dst = {"l": layer_tensors(True)}, {"l": layer_tensors(False)}
+    with KVSink(dst, kv_port=kv_port) as sink, KVSource(src, block_size=BLOCK) as source:
+        sink.expect("r", main_blocks=[5])
+        source.add_request("r", sink.endpoint, main_block_ids=[1], num_tokens=BLOCK)
+        assert not sink.wait_any(0.0) and not source.wait_any(0.0)
+        source.send_all({"r": BLOCK})
+        assert source.wait_any(10) and sink.wait_any(10)
+        assert sink.take()["r"].ok and source.take_finished()["r"].ok  # still there: not consumed
+        assert not sink.wait_any(0.0) and not source.wait_any(0.0)

@@ -74,6 +74,21 @@ def test_decode_rendezvous_waits_for_every_rank(model: Path) -> None:
     scheduler.connector.shutdown()
 
 
+def test_decode_rendezvous_sums_reports_that_come_back_in_different_steps(model: Path) -> None:
+    """Each Decode rank said it expects the request, but in the outputs of two different steps:
+    the rendezvous is posted once the sum reaches the world (a per-step count never did, and
+    Decode waited for KV that Prefill was never asked to send, until its deadline)."""
+    scheduler, posts = make_scheduler(model, "kv_consumer")
+    ours = scheduler.connector.scheduler
+    ours.world_size = 2
+    scheduler.add_request(make_request("cmpl-5-0-abcdef12", 40, decode_params("r5")))
+    for _rank in range(2):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({"r5-0": 1})))
+    assert posts.posted.wait(5) and ours.stats["rendezvous"] == 1
+    scheduler.connector.shutdown()
+
+
 def test_decode_prompt_list_children_get_their_own_ids(model: Path) -> None:
     scheduler, posts = make_scheduler(model, "kv_consumer")
     for i in range(3):

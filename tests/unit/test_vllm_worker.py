@@ -15,7 +15,7 @@ from conftest import free_base_port
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.metadata import RecvSpec, SendBlocks, SendFinish, SendSpec, StepMetadata
-from rd2h.vllm.worker import RD2HWorker, split_layers
+from rd2h.vllm.worker import IDLE_WAIT_SECONDS, RD2HWorker, split_layers
 
 BLOCKS = 16
 
@@ -315,3 +315,24 @@ def test_vllm_ascend_hooks_announce_and_gate_layers(pair) -> None:
     assert results(prefill, decode) == ({"p-req"}, {"d-req"}, set())
     for name in src:
         assert torch.equal(dst[name][[3, 4]], src[name][[0, 1]])
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_an_idle_step_waits_for_a_transfer_and_a_busy_one_does_not(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM steps again at once after a step that computed nothing; with a pull in flight such
+    a step waits (bounded) on the sink for an outcome instead, so an idle Decode does not spin
+    through empty steps. A step that computes something never waits."""
+    decode = pair[1]
+    waits: list[float] = []
+    monkeypatch.setattr(decode.sink, "wait_any", lambda timeout: waits.append(timeout) or False)
+    decode.bind(StepMetadata(recv=(RecvSpec("r-0", "d-req", ((3,),), 0, 20),)))  # a step with work
+    decode.transfer_results()
+    assert waits == []
+    decode.bind(StepMetadata(idle=True))
+    decode.transfer_results()
+    assert waits == [IDLE_WAIT_SECONDS]
+    decode.bind(StepMetadata(recv_abort=("r-0",)))  # nothing in flight after this step
+    decode.transfer_results()
+    decode.bind(StepMetadata(idle=True))
+    decode.transfer_results()
+    assert waits == [IDLE_WAIT_SECONDS]
