@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+import sys
 
 import pytest
 
@@ -30,3 +31,16 @@ def free_base_port(count: int) -> int:
 @pytest.fixture
 def kv_port() -> int:
     return free_base_port(8)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[object]) -> object:
+    """On a failed end-to-end test, the tails of every engine's and the proxy's log go into the
+    report: a 500 from an engine says nothing by itself, and CI keeps no temporary files."""
+    report = yield
+    clusters = sys.modules.get("vllm_cluster")  # loaded only where tests/e2e runs
+    if report.failed and clusters is not None:
+        for cluster in clusters.live_clusters():
+            for name, tail in cluster.log_tails(lines=80).items():
+                report.sections.append((f"log {name}", tail))
+    return report

@@ -132,7 +132,7 @@ _LIVE: list[Cluster] = []
 
 
 def live_clusters() -> list[Cluster]:
-    """Clusters started and not yet closed, for the failure report (conftest)."""
+    """Clusters started and not yet closed, for the failure report (tests/conftest.py)."""
     return list(_LIVE)
 
 
