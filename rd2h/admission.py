@@ -31,6 +31,7 @@ log = logging.getLogger("rd2h.sink")
 MAX_THREADS = 4
 MAX_PENDING = 64
 MAX_HELD_FRAMES = 1024  # frames one peer may send before its handshake ends
+MAX_HELD_BYTES = 32 << 20  # and their bytes (a frame may be 16 MiB: frames alone bound nothing)
 
 
 @dataclass(eq=False, slots=True)
@@ -42,6 +43,7 @@ class Handshake:
     layers: dict[str, LayerLayout]
     future: Future[Session]
     held: list[bytes] = field(default_factory=list)
+    held_bytes: int = 0
     dropped: int = 0
 
     def result(self) -> Session | RD2HError:
@@ -81,16 +83,17 @@ class Admissions:
         return True
 
     def hold(self, identity: bytes, frame: bytes) -> None:
-        """Keep a frame of a peer whose handshake is in progress (dropped past the bound:
+        """Keep a frame of a peer whose handshake is in progress (dropped past the bounds:
         a readiness dropped here is never answered, and Prefill's reply timeout fails it)."""
         handshake = self._pending[identity]
-        if len(handshake.held) < MAX_HELD_FRAMES:
+        if len(handshake.held) < MAX_HELD_FRAMES and handshake.held_bytes + len(frame) <= MAX_HELD_BYTES:
             handshake.held.append(frame)
+            handshake.held_bytes += len(frame)
             return
         handshake.dropped += 1
         if handshake.dropped == 1:
-            log.warning("rank %d: %r sent %d frames before its handshake ended; dropping the rest",
-                        self._rank, identity, MAX_HELD_FRAMES)
+            log.warning("rank %d: %r sent more than %d frames or %d MiB before its handshake ended; "
+                        "dropping the rest", self._rank, identity, MAX_HELD_FRAMES, MAX_HELD_BYTES >> 20)
 
     def finished(self) -> list[tuple[bytes, Handshake]]:
         """The handshakes that ended, removed from those in progress."""
