@@ -483,13 +483,13 @@ class EngineConformance:
         assert not any(t.is_alive() for t in threads), "concurrent reads hung"
         assert not failures, failures
 
-    def test_connect_while_reading(
-        self, reader: Reader, session: Session, peer: PeerProcess, request: pytest.FixtureRequest
-    ) -> None:
+    def test_connect_while_reading(self, reader: Reader, request: pytest.FixtureRequest) -> None:
         """``CONCURRENT_CONNECT``: a connect on one thread while another reads over an open
         session (Decode admits a new Prefill off its loop): both succeed, bytes exact."""
         if not type(reader.engine).capabilities & Capability.CONCURRENT_CONNECT:
             pytest.skip(f"{self.engine_name} does not declare CONCURRENT_CONNECT: Decode connects on its loop")
+        peer: PeerProcess = request.getfixturevalue("peer")  # started only where the test runs
+        session: Session = request.getfixturevalue("session")
         fresh_peer: PeerProcess = request.getfixturevalue("fresh_peer")
         half = len(reader.dest) // 2
         stop, failures, rounds = threading.Event(), [], [0]
