@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,24 +21,6 @@ def _free_port() -> int:
 
 
 STORE_URL = f"tcp://127.0.0.1:{_free_port()}"
-DATA_PORT = 11000  # where memfabric 1.3.0 binds every Prefill engine's data port
-
-
-def _wait_for_data_port(seconds: float = 15.0) -> None:
-    """Each test starts its own peer on the one data port: the previous test's peer may still be
-    closing it (a peer failed to start with "Address already in use" in a CI run). A bounded
-    poll of the kernel's state; nothing here to wait on but the port itself."""
-    tick, deadline = threading.Event(), time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("127.0.0.1", DATA_PORT))
-                return
-            except OSError:
-                pass
-        tick.wait(0.05)
-    raise RuntimeError(f"port {DATA_PORT} still in use after {seconds:g} s: another memfabric Prefill holds it")
 
 
 @pytest.mark.filterwarnings("error::UserWarning")  # e.g. a dead peer reported as a plain TransferError
@@ -60,14 +40,7 @@ class TestMemFabricConformance(EngineConformance):
     # class-wide peer beside the per-test peers of the kill tests.
     @pytest.fixture
     def peer(self, reader: Reader) -> Iterator[PeerProcess]:
-        _wait_for_data_port()
         with self.start_peer(seed=1) as p:
-            yield p
-
-    @pytest.fixture
-    def fresh_peer(self, reader: Reader) -> Iterator[PeerProcess]:
-        _wait_for_data_port()
-        with self.start_peer(seed=2) as p:
             yield p
 
     @pytest.fixture
