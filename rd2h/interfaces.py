@@ -205,7 +205,15 @@ class Listener(abc.ABC):
 
 
 class Dialer(abc.ABC):
-    """The Prefill end of a control channel: one connection per Decode address, made on demand."""
+    """The Prefill end of a control channel: one connection per Decode address, made on demand.
+
+    ``concurrent_send``: ``send`` and ``disconnect`` may run on any thread while another
+    blocks in ``recv``. A Prefill then announces a layer on the thread that computed it,
+    without handing it to its sender thread (two thread switches per layer less); without
+    it every send goes through the sender thread.
+    """
+
+    concurrent_send: ClassVar[bool] = False
 
     @abc.abstractmethod
     def send(self, address: str, payload: bytes) -> None:

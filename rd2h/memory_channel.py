@@ -124,7 +124,10 @@ class MemoryListener(Listener):
 
 
 class MemoryDialer(Dialer):
-    """The Prefill end: one link per listener address, made on first send."""
+    """The Prefill end: one link per listener address, made on first send. Every link is
+    changed under one lock, so sends may come from any thread."""
+
+    concurrent_send: ClassVar[bool] = True
 
     def __init__(self, max_frame_bytes: int) -> None:
         self.identity = b"memory-%d" % next(_IDS)

@@ -7,13 +7,14 @@ One :class:`Source` serves one Prefill TP rank. The compute path drives it:
     for layer in layers:
         source.wait_for_layer_send(layer)             # before overwriting the layer's slots
         ...write the layer's KV...
-        source.layer_ready(layer, event)              # queue the announcement
+        source.layer_ready(layer, event)              # announce (or queue until the event)
     source.take_finished()                            # requests that ended, each once
 
 The source is a thin loop: every request and endpoint lives in a pure
 :class:`~rd2h.sending.SendTracker`, the storage slots in a :class:`~rd2h.gate.SlotGate`.
 A background sender (owned by the source) waits for each layer's event, asks the tracker
-what to send, sends it, and feeds every reply back. A Decode endpoint that does not reply
+what to send, sends it, and feeds every reply back; a layer written without an event is
+announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``). A Decode endpoint that does not reply
 within ``reply_timeout`` (on the injectable ``clock``) is abandoned: its slots are
 released and the requests it held fail with ReplyTimeout. Failures belong to the requests
 they hit: the compute path is never handed another request's error.
@@ -80,7 +81,10 @@ class Source:
     logical layers that reuse a physical buffer share its base addresses, and the slot
     gate keys on those. ``block_size`` is tokens per main block, ``indexer_block_size``
     per indexer block (None: the same). The engine, dialer and sender thread belong to the
-    source. Raises ConfigError on bad arguments.
+    source. ``inline_announce``: a layer whose KV is written (``layer_ready`` without an
+    event) is announced on the calling thread when the dialer allows concurrent sends and
+    no earlier layer is queued; False sends everything from the sender thread. Raises
+    ConfigError on bad arguments.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class Source:
         last_layer: str | None = None,
         reply_timeout: float = 30.0,
         poll_seconds: float = 0.05,
+        inline_announce: bool = True,
         clock: Clock = monotonic,
     ) -> None:
         if not layers:
@@ -125,6 +130,9 @@ class Source:
         self._gate = SlotGate()
         self._step, _ = self._tracker.schedule({}, clock())
         self._queue: queue.SimpleQueue[_Task | object] = queue.SimpleQueue()
+        self._inline = inline_announce and dialer.concurrent_send
+        self._order = threading.Lock()  # guards _queued: layers queued and not yet announced
+        self._queued = 0
         self._thread: threading.Thread | None = None
         self._claimed_at: dict[int, float] = {}
         self.layer_seconds: deque[float] = deque(maxlen=1 << 16)  # layer_ready -> last reply
@@ -203,8 +211,22 @@ class Source:
         layer_idx = self._index_of(layer_name)
         self._gate.claim(layer_idx, self._slots(layer_name))
         self._claimed_at[layer_idx] = self._clock()
-        self._queue.put(_Task(layer_idx, layer_name, event, self._step))
-        self._dialer.wakeup()
+        task = _Task(layer_idx, layer_name, event, self._step)
+        with self._order:
+            # Announce here when nothing is left to wait for: the KV is written (no event)
+            # and no earlier layer waits in the queue (layers go out in order). A hand-off to
+            # the sender thread and the wakeup back cost more than the announce itself.
+            inline = self._inline and event is None and self._queued == 0
+            if not inline:
+                self._queued += 1
+                self._queue.put(task)
+        if inline:
+            try:
+                self._announce(task)
+            except Exception:  # as on the sender thread: the compute path never gets a peer's error
+                log.exception("Prefill rank %d: error announcing layer %r", self.rank, layer_name)
+        else:
+            self._dialer.wakeup()
 
     def send_all(self, computed_tokens: Mapping[str, int]) -> dict[str, RD2HError]:
         """One step whose KV is already written for every layer: announce all layers.
@@ -316,7 +338,11 @@ class Source:
                 return
             try:
                 if task is not None:
-                    self._announce(task)  # type: ignore[arg-type]
+                    try:
+                        self._announce(task)  # type: ignore[arg-type]
+                    finally:
+                        with self._order:
+                            self._queued -= 1
                 else:
                     item = self._dialer.recv(self._poll)
                     if item is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
@@ -276,3 +277,52 @@ class ChannelConformance:
         listener.close()
         with channel.listen(self.make_address()) as listener2, channel.dialer() as dialer2:
             self.exchange(listener2, dialer2, b"context managers work")
+
+    # -- threads ----------------------------------------------------------------------------
+
+    def test_wakeup_ends_a_blocked_recv(self, channel: ControlChannel, closer: Callable[[T], T]) -> None:
+        dialer = closer(channel.dialer())
+        results: list[object] = []
+        waiting = threading.Event()
+
+        def receive() -> None:
+            waiting.set()
+            results.append(dialer.recv(60.0))
+
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        assert waiting.wait(10.0)
+        dialer.wakeup()
+        thread.join(10.0)
+        assert not thread.is_alive(), "wakeup() did not end a recv blocked in another thread"
+        assert results == [None]
+
+    def test_concurrent_send_while_another_thread_receives(
+        self, channel: ControlChannel, closer: Callable[[T], T]
+    ) -> None:
+        """A dialer that declares ``concurrent_send``: one thread sends (and so connects) while
+        another blocks in ``recv``; every reply reaches the receiving thread, in order, and no
+        ``recv`` waits out its timeout with a reply waiting."""
+        dialer = closer(channel.dialer())
+        if not dialer.concurrent_send:
+            pytest.skip(f"{self.channel_name} dialers do not declare concurrent_send")
+        listener = closer(channel.listen(self.make_address()))
+        count = 300
+        replies: list[tuple[str, bytes] | None] = []
+
+        def receive() -> None:
+            while len(replies) < count:
+                got = dialer.recv(self.arrival)
+                replies.append(got)
+                if got is None:
+                    return
+
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        for i in range(count):
+            peer = self.exchange(listener, dialer, b"ask %d" % i)
+            listener.send(peer, b"answer %d" % i)
+        thread.join(self.arrival * 2)
+        assert not thread.is_alive(), f"{len(replies)} of {count} replies received"
+        assert None not in replies, f"recv timed out after {replies.index(None)} replies with one waiting"
+        assert replies == [(listener.address, b"answer %d" % i) for i in range(count)]

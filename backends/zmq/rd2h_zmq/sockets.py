@@ -11,9 +11,11 @@ another key that takes over a routing id (ROUTER_HANDOVER) is another peer to De
 Handover stays on: with it off, libzmq refuses a reconnect that races the old connection's
 close and eats its first frame (measured: one reconnect in three lost its mf_meta).
 
-Threads: zmq sockets are not thread-safe. A listener or dialer belongs to the one thread
-that runs its loop; ``close()`` it from that thread, or from another once that loop has
-stopped. The shared context itself is thread-safe.
+Threads: zmq sockets are not thread-safe. A listener belongs to the one thread that runs
+its loop; ``close()`` it from that thread, or from another once that loop has stopped. A
+dialer serialises its sockets behind a lock, so a Prefill can announce from the compute
+thread while its sender thread waits for replies (see ``ZmqDialer``). The shared context
+itself is thread-safe.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import errno
 import logging
 import os
 import secrets
+import select
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -269,7 +272,15 @@ class ZmqListener(Listener):
 
 class ZmqDialer(Dialer):
     """One DEALER per Decode address, connected on first send. Its routing id is fixed for
-    the dialer's life, so a reconnect after ``disconnect`` is the same peer to the listener."""
+    the dialer's life, so a reconnect after ``disconnect`` is the same peer to the listener.
+
+    ``send`` and ``disconnect`` may be called from any thread while another blocks in
+    ``recv`` (``concurrent_send``): every use of a socket holds one lock, and ``recv`` waits
+    outside it on the sockets' notification fds (``zmq.FD``), never on the sockets. Such an
+    fd only says "look again": any call on the socket may consume it, so whoever touched a
+    socket and finds a message waiting kicks the waiting ``recv`` through a pipe."""
+
+    concurrent_send: ClassVar[bool] = True
 
     def __init__(self, settings: Settings, shared: SharedContext) -> None:
         self._settings = settings
@@ -277,15 +288,17 @@ class ZmqDialer(Dialer):
         self._context = shared.acquire(authenticate=False)
         self._closed = False
         self._routing_id = b"rd2h-" + secrets.token_hex(8).encode()
+        self._lock = threading.Lock()  # every use of a socket, and the two tables below
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._addresses: dict[zmq.Socket[bytes], str] = {}
-        self._poller = zmq.Poller()
+        self._fds: tuple[int, ...] = ()  # the sockets' notification fds, rebuilt on (dis)connect
         self._next = 0  # where recv starts looking, so one busy endpoint cannot starve others
-        # wakeup(): another thread writes a byte here, which makes a blocked poll return
+        # A byte in this pipe makes a blocked recv look again; it returns None only when
+        # ``wakeup()`` asked for that (``_woken``), not for a kick from a send.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._woken = False
 
     @property
     def routing_id(self) -> bytes:
@@ -293,48 +306,73 @@ class ZmqDialer(Dialer):
 
     def send(self, address: str, payload: bytes) -> None:
         """Queue one frame for ``address``. Raises ``FrameTooLargeError``, ``ChannelError`` for
-        a malformed address or when the queue stays full for ``send_timeout``."""
-        self._check_open()
+        a malformed address or when the queue stays full for ``send_timeout``. Thread-safe."""
         _check_frame(payload, self._settings.max_frame_bytes)
-        sock = self._sockets.get(address) or self._connect(address)
-        try:
-            sock.send(payload, copy=False)
-        except zmq.Again as exc:
-            raise ChannelError(
-                f"cannot send to {address}: {self._settings.high_water_mark} frames are queued and the "
-                f"endpoint took none in {self._settings.send_timeout_ms} ms (is it running?)"
-            ) from exc
-        except zmq.ZMQError as exc:
-            raise ChannelError(f"send to {address} failed: {exc.strerror}") from exc
+        with self._lock:
+            self._check_open()
+            sock = self._sockets.get(address) or self._connect(address)
+            try:
+                sock.send(payload, copy=False)
+            except zmq.Again as exc:
+                raise ChannelError(
+                    f"cannot send to {address}: {self._settings.high_water_mark} frames are queued and the "
+                    f"endpoint took none in {self._settings.send_timeout_ms} ms (is it running?)"
+                ) from exc
+            except zmq.ZMQError as exc:
+                raise ChannelError(f"send to {address} failed: {exc.strerror}") from exc
+            finally:
+                # the send may have consumed the fd's signal of a reply that arrived meanwhile
+                waiting = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        if waiting:
+            self._kick()
 
     def recv(self, timeout: float) -> tuple[str, bytes] | None:
-        self._check_open()
         deadline = time.monotonic() + max(0.0, timeout)
+        poller, fds = select.poll(), None
         while True:
-            ready = dict(self._poller.poll(_deadline_ms(deadline)))
-            if ready.pop(self._wake_r, 0):
+            with self._lock:
+                self._check_open()
+                item = self._take_waiting()
+                if self._fds != fds:  # a socket came or went: wait on the new set
+                    fds = self._fds
+                    poller = select.poll()
+                    for fd in (*fds, self._wake_r):
+                        poller.register(fd, select.POLLIN)
+            if item is not None:
+                return item
+            ready = poller.poll(_deadline_ms(deadline))
+            if any(fd == self._wake_r for fd, _ in ready):
                 self._drain_wakeups()
+                if self._woken:
+                    self._woken = False
+                    return None
+            elif not ready and time.monotonic() >= deadline:
                 return None
-            order = list(self._sockets.values())
-            for step in range(len(order)):
-                index = (self._next + step) % len(order)
-                sock = order[index]
-                if not ready.get(sock, 0) & zmq.POLLIN:
-                    continue
-                self._next = index + 1
+
+    def _take_waiting(self) -> tuple[str, bytes] | None:
+        """The next message waiting on any socket, round robin (under the lock)."""
+        order = list(self._sockets.values())
+        for step in range(len(order)):
+            index = (self._next + step) % len(order)
+            sock = order[index]
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
-                    continue
+                    break
                 address = self._addresses[sock]
                 payload = _payload(frames, address)
                 if payload is not None:
+                    self._next = index + 1
                     return address, payload
-            if time.monotonic() >= deadline:
-                return None
+        return None
 
     def wakeup(self) -> None:
         """Make a ``recv`` blocked in another thread return ``None`` now. Thread-safe."""
+        self._woken = True
+        self._kick()
+
+    def _kick(self) -> None:
         if self._closed:  # the pipe's fd numbers may already belong to another file
             return
         try:
@@ -346,35 +384,39 @@ class ZmqDialer(Dialer):
         try:
             while os.read(self._wake_r, 4096):
                 pass
-        except BlockingIOError:
+        except (BlockingIOError, OSError):
             pass
 
     def disconnect(self, address: str) -> None:
-        """Close the connection to ``address``, dropping what is queued. Unknown: no-op."""
-        self._drop(address, 0)
+        """Close the connection to ``address``, dropping what is queued. Unknown: no-op.
+        Thread-safe."""
+        with self._lock:
+            self._drop(address, 0)
 
-    def _drop(self, address: str, linger: int) -> None:
+    def _drop(self, address: str, linger: int) -> None:  # under the lock
         sock = self._sockets.pop(address, None)
         if sock is None:
             return
         del self._addresses[sock]
-        self._poller.unregister(sock)
         sock.close(linger=linger)
+        self._fds = tuple(s.getsockopt(zmq.FD) for s in self._sockets.values())
+        self._kick()  # a recv waiting on the closed socket's fd looks at the new set
 
     def close(self) -> None:
         """Close every connection; frames still queued get ``_CLOSE_LINGER_MS`` to leave (the
-        last ``settled`` notices are sent just before a Prefill closes)."""
-        if self._closed:
-            return
-        self._closed = True
-        for address in list(self._sockets):
-            self._drop(address, _CLOSE_LINGER_MS)
-        self._poller.unregister(self._wake_r)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        last ``settled`` notices are sent just before a Prefill closes). Call it once no
+        other thread uses the dialer."""
+        with self._lock:
+            if self._closed:
+                return
+            for address in list(self._sockets):
+                self._drop(address, _CLOSE_LINGER_MS)
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self._shared.release()
 
-    def _connect(self, address: str) -> zmq.Socket[bytes]:
+    def _connect(self, address: str) -> zmq.Socket[bytes]:  # under the lock
         sock = self._context.socket(zmq.DEALER)
         try:
             _common_options(sock, self._settings, address)
@@ -393,7 +435,8 @@ class ZmqDialer(Dialer):
             raise
         self._sockets[address] = sock
         self._addresses[sock] = address
-        self._poller.register(sock, zmq.POLLIN)
+        self._fds = (*self._fds, sock.getsockopt(zmq.FD))
+        self._kick()  # a recv in another thread starts waiting on this socket too
         return sock
 
     def _check_open(self) -> None:
