@@ -163,6 +163,7 @@ class Sink:
         # loop thread only: what a step repeats on every layer is derived once per step
         self._decoder = ReadinessDecoder()
         self._plans = StepPlans()  # a plan is read before the next is built
+        self._plans.learn(self._layers.values(), self._regions)
         self._step_reads: dict[object, tuple[list[RequestRead], dict[str, RD2HError]]] = {}
         self._changed = threading.Condition()  # guards the tracker (user threads vs the loop)
         self._stop = threading.Event()
@@ -387,7 +388,8 @@ class Sink:
         self._forget_all(self._book.admit(identity, None, self._clock(), self._announcing))
 
     def _admit(self, identity: bytes, meta: protocol.MfMeta, layers: dict[str, LayerLayout], session: Session) -> None:
-        self._peers[identity] = _Peer(meta.p_session, layers, session, RegionSet(session.peer_regions))
+        peer = self._peers[identity] = _Peer(meta.p_session, layers, session, RegionSet(session.peer_regions))
+        self._plans.learn(layers.values(), peer.regions)  # now, not on the first layer of a step
         # What the peer proved: the engine's peer id (proven by a PROVES_PEER engine, else as
         # declared) and the channel's authenticated key, if any.
         key = self._listener.peer_key(identity)

@@ -86,3 +86,20 @@ def test_a_layout_mismatch_is_raised_even_from_a_template() -> None:
     other = LayerLayout((TensorLayout(GiB, 32, 32), TensorLayout(GiB + GiB // 4, 32, 32)), a.indexer, a.scale)
     with pytest.raises(MainBlockLengthMismatch):
         plans.build("k", other, a, reads, src_regions=regions(a, other), dst_regions=regions(a))
+    with pytest.raises(MainBlockLengthMismatch):  # a mismatch is never remembered as validated
+        plans.build("k", other, a, reads, src_regions=regions(a, other), dst_regions=regions(a))
+
+
+def test_a_layer_registered_only_in_part_is_built_afresh_and_right() -> None:
+    """A move is vouched for by whole tensors inside the regions; a layer whose tensors are
+    registered only where the blocks read lie gets a full build, which reads it rightly."""
+    reads = reads_of([([0, 1], [0, 1])])
+    a, b = layer(1 * GiB), layer(2 * GiB)
+    part = RegionSet([Region(t.base_addr, 2 * t.stride) for t in b.tensors()])  # blocks 0-1 only
+    plans = StepPlans()
+    plans.learn([a], regions(a))
+    plans.build("k", a, a, reads, src_regions=regions(a), dst_regions=regions(a))
+    got = plans.build("k", b, a, reads, src_regions=part, dst_regions=regions(a))
+    want = build_layer_plan(b, a, reads, src_regions=part, dst_regions=regions(a))
+    assert plans.moved == 0 and not got.failed
+    assert np.array_equal(got.remote, want.remote) and np.array_equal(got.local, want.local)
