@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from rd2h.errors import LayoutError
 from rd2h.layout import LayerLayout, validate_layer
 from rd2h.planning import LayerPlan, PlanBuilder, RequestRead
 from rd2h.regions import RegionSet
@@ -34,7 +35,7 @@ __all__ = ["StepPlans"]
 
 Int64Array = npt.NDArray[np.int64]
 _Shape = tuple[tuple[int, int, int], ...]
-_FORGET_AT = 4096  # layouts described (or layout pairs validated) before starting afresh
+_FORGET_AT = 1 << 16  # layouts described (or pairs validated) before starting afresh
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -93,6 +94,15 @@ class StepPlans:
         """Describe ``layouts`` and check their tensors against ``regions`` now."""
         for layout in layouts:
             self._within(layout, regions)
+
+    def learn_pairs(self, pairs: Iterable[tuple[str, LayerLayout, LayerLayout]]) -> None:
+        """Validate ``(layer_name, src, dst)`` pairs now; a mismatch is not remembered and
+        is raised by ``build`` when that layer is read."""
+        for layer_name, src, dst in pairs:
+            try:
+                self._validate(layer_name, src, dst)
+            except LayoutError:
+                pass
 
     def build(
         self,

@@ -389,7 +389,9 @@ class Sink:
 
     def _admit(self, identity: bytes, meta: protocol.MfMeta, layers: dict[str, LayerLayout], session: Session) -> None:
         peer = self._peers[identity] = _Peer(meta.p_session, layers, session, RegionSet(session.peer_regions))
-        self._plans.learn(layers.values(), peer.regions)  # now, not on the first layer of a step
+        # now, not on the first layer of a step
+        self._plans.learn(layers.values(), peer.regions)
+        self._plans.learn_pairs((name, layout, self._layers[name]) for name, layout in layers.items() if name in self._layers)
         # What the peer proved: the engine's peer id (proven by a PROVES_PEER engine, else as
         # declared) and the channel's authenticated key, if any.
         key = self._listener.peer_key(identity)

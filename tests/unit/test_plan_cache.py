@@ -103,3 +103,18 @@ def test_a_layer_registered_only_in_part_is_built_afresh_and_right() -> None:
     want = build_layer_plan(b, a, reads, src_regions=part, dst_regions=regions(a))
     assert plans.moved == 0 and not got.failed
     assert np.array_equal(got.remote, want.remote) and np.array_equal(got.local, want.local)
+
+
+def test_pairs_learnt_ahead_skip_nothing_that_matters() -> None:
+    """``learn_pairs`` swallows a mismatch (it is raised when the layer is read) and a
+    matching pair read later is planned exactly as without it."""
+    reads = reads_of([([1], [2])])
+    a = layer(1 * GiB)
+    other = LayerLayout((TensorLayout(GiB, 32, 32), TensorLayout(GiB + GiB // 4, 32, 32)), a.indexer, a.scale)
+    plans = StepPlans()
+    plans.learn_pairs([("good", a, a), ("bad", other, a)])
+    with pytest.raises(MainBlockLengthMismatch):
+        plans.build("k", other, a, reads, src_regions=regions(a, other), dst_regions=regions(a), layer_name="bad")
+    got = plans.build("k", a, a, reads, src_regions=regions(a), dst_regions=regions(a), layer_name="good")
+    want = build_layer_plan(a, a, reads, src_regions=regions(a), dst_regions=regions(a))
+    assert np.array_equal(got.remote, want.remote) and np.array_equal(got.local, want.local)
