@@ -212,3 +212,30 @@ def test_a_legacy_peer_against_a_live_kvsink_gets_a_clear_refusal(kv_port: int) 
         assert isinstance(reply, protocol.ReadFailed) and reply.failed_ext_ids == ("r",)
         assert isinstance(reply.exception(), IncompatiblePeerError) and "local" in reply.error
         assert isinstance(sink.wait(["r"], 10)["r"].error, IncompatiblePeerError)
+
+
+def test_a_reply_without_a_final_goes_out_before_the_bookkeeping(world) -> None:
+    """A readiness without a final signal is answered before the tracker records the read
+    (Prefill waits less); one with a final is answered only after the tracker checked it."""
+    sink, peer, src, dst = world
+    order: list[str] = []
+    on_read, send = sink._tracker.on_read, sink._listener.send
+
+    def recording_on_read(*args: object, **kwargs: object):
+        order.append("recorded")
+        return on_read(*args, **kwargs)
+
+    def recording_send(identity: bytes, frame: bytes) -> None:
+        if isinstance(protocol.decode_reply(frame), (protocol.ReadDone, protocol.ReadFailed)):
+            order.append("replied")
+        send(identity, frame)
+
+    sink._tracker.on_read = recording_on_read
+    sink._listener.send = recording_send
+    sink.expect("r", [1, 2])
+    peer.introduce()
+    assert isinstance(peer.ready("l0", [("r", [0, 1], 0)]), protocol.ReadDone)
+    assert isinstance(peer.ready("l1", [("r", [0, 1], 0)], done=("r",)), protocol.ReadDone)
+    assert sink.wait(["r"], 10)["r"].state is TerminalState.DONE
+    assert order == ["replied", "recorded", "recorded", "replied"]
+    assert np.array_equal(dst["l1"].main[0][[1, 2]], src["l1"].main[0][[0, 1]])
