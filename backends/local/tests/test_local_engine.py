@@ -259,7 +259,10 @@ def test_fast_bounds_agree_with_region_set(regions, ranges):
     rs = RegionSet(regions)
     addrs = np.array([a for a, _ in ranges], dtype=I64)
     lens = np.array([n for _, n in ranges], dtype=I64)
-    assert FastBounds(rs).all_inside(addrs, lens) == bool(rs.contains(addrs, lens).all())
+    fast, want = FastBounds(rs), bool(rs.contains(addrs, lens).all())
+    assert fast.all_inside(addrs, lens) == want
+    assert fast.few_inside(addrs.tolist(), lens.tolist()) == want  # both paths, whatever the size
+    assert fast.many_inside(addrs, lens) == want
 
 
 # -- the copy loop ----------------------------------------------------------------------------
