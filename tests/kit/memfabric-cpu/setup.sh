@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 exec 9>"$OUT/.lock"
 flock 9
 
-stamp=$( { cat "$HERE/realpath_shim.c" "$HERE/gen_fake_cann.py" "$HERE/setup_fake_ascend.sh";
+stamp=$( { cat "$HERE/realpath_shim.c" "$HERE/netns_exec.c" "$HERE/gen_fake_cann.py" "$HERE/setup_fake_ascend.sh";
            echo "$MFLIB" "$OUT"; sha256sum "$MFLIB/libmf_hybm_core.so"; } | sha256sum | cut -d' ' -f1)
 if [ -f "$OUT/env.sh" ] && [ "$(cat "$OUT/.stamp" 2>/dev/null)" = "$stamp" ]; then
   echo "$OUT/env.sh"
