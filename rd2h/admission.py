@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from rd2h import protocol
@@ -94,6 +94,14 @@ class Admissions:
         if handshake.dropped == 1:
             log.warning("rank %d: %r sent more than %d frames or %d MiB before its handshake ended; "
                         "dropping the rest", self._rank, identity, MAX_HELD_FRAMES, MAX_HELD_BYTES >> 20)
+
+    def wait_any(self, timeout: float) -> bool:
+        """Block until a handshake in progress ended, ``timeout`` seconds at most; whether
+        one did (False too when none is in progress)."""
+        if not self._pending:
+            return False
+        done, _ = wait([h.future for h in self._pending.values()], timeout, return_when=FIRST_COMPLETED)
+        return bool(done)
 
     def finished(self) -> list[tuple[bytes, Handshake]]:
         """The handshakes that ended, removed from those in progress."""

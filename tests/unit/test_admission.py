@@ -33,10 +33,8 @@ def test_frames_wait_in_order_within_both_bounds(monkeypatch: pytest.MonkeyPatch
         for frame in (b"1234", b"5678", b"abc", b"d"):  # the third passes the 10-byte bound
             admissions.hold(b"peer", frame)
         release.set()
-        done = []
-        while not done:
-            done = admissions.finished()
-        ((identity, handshake),) = done
+        assert admissions.wait_any(10)
+        ((identity, handshake),) = admissions.finished()
         assert identity == b"peer" and handshake.result() is session
         assert handshake.held == [b"1234", b"5678", b"d"] and handshake.dropped == 1
         assert not admissions
@@ -63,9 +61,23 @@ def test_a_failed_or_crashing_connect_is_a_result_and_the_pending_count_is_bound
         release.set()
         results: dict[bytes, object] = {}
         while len(results) < 2:
+            assert admissions.wait_any(10), f"handshakes still running after 10 s: {results}"
             results.update((i, h.result()) for i, h in admissions.finished())
         assert isinstance(results[b"a"], TransferError) and "no proof" in str(results[b"a"])
         assert isinstance(results[b"b"], TransferError) and "KeyError" in str(results[b"b"])
+    finally:
+        admissions.close()
+
+
+def test_wait_any_returns_when_a_handshake_ends_and_false_when_none_runs() -> None:
+    release = threading.Event()
+    admissions = admission.Admissions(rank=0)
+    try:
+        assert not admissions.wait_any(0.0)  # nothing in progress
+        admissions.start(b"p", META, {}, lambda: release.wait(10) and FakeSession())
+        assert not admissions.wait_any(0.01)  # still connecting
+        release.set()
+        assert admissions.wait_any(10) and [i for i, _ in admissions.finished()] == [b"p"]
     finally:
         admissions.close()
 
