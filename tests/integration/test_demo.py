@@ -42,6 +42,19 @@ def test_topologies_verify_every_byte(prefill_tp: int, decode_tp: int, kv_port: 
     assert result.steps > 1  # chunked prefill took several steps
 
 
+def test_progress_counts_every_layer_in_fewer_messages(kv_port: int) -> None:
+    """Progress reaches the total (every layer of every step) and is batched: not one
+    message per layer."""
+    config = _small(layers=200, requests=1, max_tokens=32, block_size=32, chunk_tokens=32, slots=1, kv_port=kv_port)
+    seen: list[tuple[int, int]] = []
+    result = run_demo(config, progress=lambda done, total: seen.append((done, total)))
+    assert result.verified, result.problems
+    total = config.layers * result.steps
+    assert seen[-1] == (total, total)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert len(seen) < total  # one message per layer would make it equal
+
+
 def test_one_slot_reused_by_every_layer(kv_port: int) -> None:
     result = run_demo(_small(prefill_tp=2, decode_tp=2, layers=6, slots=1, kv_port=kv_port))
     assert result.verified, result.problems
