@@ -426,7 +426,9 @@ class Sink:
             if plan is not None:
                 read_seconds = self._read(identity, plan, failed)
                 nbytes = self._request_bytes(batch.layer_name, reads, failed)
-            failures = self._record_read(identity, batch, admission, failed, nbytes)
+            with self._changed:
+                failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
+                self._answer(identity, batch, admission, failures)
         stat = LayerStat(
             batch.layer_idx, 0 if plan is None else plan.nbytes, 0 if plan is None else len(plan),
             read_seconds, time.perf_counter() - started, len(failures),
@@ -489,45 +491,18 @@ class Sink:
             for r in reads if r.ext_req_id not in failed
         }
 
-    def _record_read(
-        self,
-        identity: bytes,
-        batch: protocol.ReadReadyBatch,
-        admission: Admission,
-        failed: dict[str, RD2HError],
-        nbytes: Mapping[str, int],
-    ) -> Mapping[str, RD2HError]:
-        """Reply and record the read. Without a final signal in the batch the reply is known
-        before the bookkeeping (the refused and the failed; nothing can settle), so it goes
-        out first and Prefill's wait is shorter by the bookkeeping; a final is checked
-        against what was read before the reply, under the tracker's lock (``_answer``)."""
-        if batch.done_ext_ids:
-            with self._changed:
-                failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
-                self._answer(identity, batch, admission, failures)
-            return failures
-        failures = {**admission.refused, **failed}
-        lost = self._reply(identity, batch, failures)
-        with self._changed:
-            self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
-            self._lost(admission, lost)
-            self._changed.notify_all()
-        return failures
-
     def _answer(
         self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission, failures: Mapping[str, RD2HError]
     ) -> None:
         """Reply (under the tracker's lock, so no outcome of this readiness is collected
         before its reply is known to be sent); a reply that cannot be sent fails on Decode
         what Prefill will fail for want of it, so the two sides agree."""
-        self._lost(admission, self._reply(identity, batch, failures))
-        self._changed.notify_all()
-
-    def _lost(self, admission: Admission, lost: RD2HError | None) -> None:  # under the tracker's lock
+        lost = self._reply(identity, batch, failures)
         if lost is not None:
             hit = self._tracker.reply_lost(admission, lost, self._clock())
             if hit:
                 log.warning("rank %d: reply lost, failed %d request(s) Prefill will fail too", self.rank, len(hit))
+        self._changed.notify_all()
 
     def _reply(
         self, identity: bytes, batch: protocol.ReadReadyBatch, failures: Mapping[str, RD2HError]
