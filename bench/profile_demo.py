@@ -30,7 +30,9 @@ _PROCESS = re.compile(r'process (\d+):"([^"]*)"')
 _THREAD = re.compile(r"thread \((\d+)\)(?::\s*(.*))?")
 _FRAME = re.compile(r"^(.*) \((.*?):(\d+)\)$")
 _WAITS = {"Poller.poll", "Condition.wait", "Event.wait", "select", "Queue.get", "poll", "sleep",
-          "_wait_for_tstate_lock", "Connection._poll", "wait"}
+          "_wait_for_tstate_lock", "Connection._poll", "wait", "_wait_readable"}
+# the innermost Python frame of a thread blocked in a C-level poll it calls directly
+_IDLE_LEAVES = {"Witness._run"}
 
 
 def parse(raw: str) -> dict[tuple[str, str], collections.Counter[str]]:
@@ -64,7 +66,7 @@ def parse(raw: str) -> dict[tuple[str, str], collections.Counter[str]]:
     for pid, thread, frames, count in stacks:
         role = roles.get(pid, "launcher")
         counter = out[role, re.sub(r"-\d+$", "", thread)]
-        if any(f.split(" ", 1)[0] in _WAITS for f in frames):
+        if any(f.split(" ", 1)[0] in _WAITS for f in frames) or (frames and frames[-1].split(" ", 1)[0] in _IDLE_LEAVES):
             counter["<waiting>"] += count  # py-spy counts some blocking calls as busy
             continue
         counter["<busy>"] += count
