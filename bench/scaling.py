@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from rd2h.api import KVSink, KVSource, LayerTensors, host_buffer
+from rd2h.peer_limits import PeerLimits
 from rd2h.source import DecodeEndpoint
 
 MAIN_BYTES, INDEXER_BYTES = 64, 16
@@ -50,10 +51,22 @@ def point(blocks: int, requests: int, ratio: int, layers: int, seed: int = 0) ->
     _port[0] += 2
     ids = [f"r{i}" for i in range(requests)]
     held = [tensors(total + 16)] + [tensors(total) for _ in range(ratio)]  # layouts hold addresses only
-    with KVSink(held[0], kv_port=_port[0]) as sink:
+    # a readiness names every block of the layer, main and indexer: allow that many ids
+    limits = PeerLimits(max_ids_per_message=max(PeerLimits().max_ids_per_message, 2 * total))
+    with KVSink(held[0], kv_port=_port[0], peer_limits=limits) as sink:
         endpoint = DecodeEndpoint("127.0.0.1", _port[0], 1)
         sources = [KVSource(held[1 + r], block_size=1, rank=r, tp_size=ratio) for r in range(ratio)]
         try:
+            # a one-block request first, so the handshakes are over before the measured step:
+            # readiness frames that arrive during one are held, at most 32 MiB of them
+            warm_dst = int(np.setdiff1d(np.arange(total + 16), dst_ids.ravel())[0])
+            sink.expect("warm-up", main_blocks=[warm_dst])
+            for s in sources:
+                s.add_request("warm-up", endpoint, main_block_ids=[0], num_tokens=1)
+                s.send_all({"warm-up": 1})
+            if not sink.wait(["warm-up"], timeout=120)["warm-up"].ok:
+                raise AssertionError("the warm-up request failed")
+            measured_from = len(sink.counters.stats)
             for i, ext in enumerate(ids):
                 sink.expect(ext, main_blocks=dst_ids[i].tolist())
                 for s in sources:
@@ -68,7 +81,7 @@ def point(blocks: int, requests: int, ratio: int, layers: int, seed: int = 0) ->
             wall = time.perf_counter() - started
             if not all(o.ok for o in outcomes.values()):
                 raise AssertionError(f"failed: {[e for e, o in outcomes.items() if not o.ok][:5]}")
-            stats = list(sink.counters.stats)
+            stats = list(sink.counters.stats)[measured_from:]
         finally:
             for s in sources:
                 s.close()
@@ -77,7 +90,6 @@ def point(blocks: int, requests: int, ratio: int, layers: int, seed: int = 0) ->
         handle, read = per_layer.setdefault(st.layer_idx, [0.0, 0.0]), st.read_seconds
         handle[0] += st.handle_seconds
         handle[1] += read
-    # the first layer also carries the handshake (mf_meta, connect): the median leaves it out
     handle_ns = statistics.median(v[0] for v in per_layer.values()) / total * 1e9
     read_ns = statistics.median(v[1] for v in per_layer.values()) / total * 1e9
     return {"blocks": total, "requests": requests, "ratio": ratio, "layers": layers,
