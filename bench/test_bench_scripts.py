@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import decode_cpu
 import end_to_end
 import exposed
 import memory_kinds
@@ -31,6 +32,13 @@ def test_request_latency_reports_both_sides(tmp_path: Path) -> None:
     assert request_latency.main(["--requests", "5", "--layers", "2", "--rounds", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert 0 < report["current"]["prefill_p50_us"] and 0 < report["current"]["decode_p50_us"]
+
+
+def test_decode_cpu_reads_every_layer(tmp_path: Path) -> None:
+    out = tmp_path / "decode_cpu.json"
+    assert decode_cpu.main(["--layers", "4", "--requests", "3", "--blocks", "2", "--rounds", "2", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["now"]
+    assert 0 < row["overhead_us"] <= row["handle_us"]
 
 
 def test_end_to_end_tiny_layers(tmp_path: Path) -> None:
