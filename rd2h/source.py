@@ -14,9 +14,10 @@ The source is a thin loop: every request and endpoint lives in a pure
 :class:`~rd2h.sending.SendTracker`, the storage slots in a :class:`~rd2h.gate.SlotGate`.
 A background sender (owned by the source) waits for each layer's event, asks the tracker
 what to send, sends it, and feeds every reply back; a layer written without an event is
-announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``). A Decode endpoint that does not reply
-within ``reply_timeout`` (on the injectable ``clock``) is abandoned: its slots are
-released and the requests it held fail with ReplyTimeout. Failures belong to the requests
+announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``).
+A Decode endpoint that does not reply within ``reply_timeout`` (on the injectable
+``clock``) is abandoned: its slots are released and the requests it held fail with
+ReplyTimeout. Failures belong to the requests
 they hit: the compute path is never handed another request's error.
 
 Blocking calls (``wait_finished``, ``wait_for_layer_send``, ``close``) bound how long the
