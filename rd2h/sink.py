@@ -165,6 +165,8 @@ class Sink:
         self._plans = StepPlans()  # a plan is read before the next is built
         self._plans.learn(self._layers.values(), self._regions)
         self._step_reads: dict[object, tuple[list[RequestRead], dict[str, RD2HError]]] = {}
+        # (id of a step's reads, bytes per block) -> those reads (kept: the id stays theirs), bytes per request
+        self._step_bytes: dict[tuple[int, tuple[int, int]], tuple[Sequence[RequestRead], dict[str, int]]] = {}
         self._changed = threading.Condition()  # guards the tracker (user threads vs the loop)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -484,12 +486,20 @@ class Sink:
     def _request_bytes(
         self, layer_name: str, reads: Sequence[RequestRead], failed: Mapping[str, RD2HError]
     ) -> dict[str, int]:
-        """Bytes read per request on this layer (per request, not per block)."""
-        main_bytes, extra_bytes = _bytes_per_block(self._layers[layer_name])
-        return {
-            r.ext_req_id: len(r.dst_main) * main_bytes + len(r.dst_indexer) * extra_bytes
-            for r in reads if r.ext_req_id not in failed
-        }
+        """Bytes read per request on this layer (per request, not per block). The same step's
+        reads on layers of the same block sizes give the same figures: derived once."""
+        per_block = _bytes_per_block(self._layers[layer_name])
+        key = (id(reads), per_block)
+        entry = self._step_bytes.get(key)
+        if entry is None or entry[0] is not reads:
+            main_bytes, extra_bytes = per_block
+            entry = self._step_bytes[key] = (reads, {
+                r.ext_req_id: len(r.dst_main) * main_bytes + len(r.dst_indexer) * extra_bytes for r in reads
+            })
+            if len(self._step_bytes) > 16:  # as many as the step reads remembered, and their sizes
+                del self._step_bytes[next(iter(self._step_bytes))]
+        every = entry[1]
+        return {e: n for e, n in every.items() if e not in failed} if failed else every
 
     def _answer(
         self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission, failures: Mapping[str, RD2HError]
