@@ -17,6 +17,7 @@ Its states and transitions are drawn in :mod:`rd2h.receive_states`.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -114,6 +115,9 @@ class ReceiveTracker:
         self._requests: dict[str, _Request] = {}
         self._peers: dict[bytes, _Peer] = {}
         self._early: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
+        # no live request's deadline is earlier (a lower bound: an ended request may have set
+        # it); expire scans the requests only once it passed
+        self._next_deadline = math.inf
         self._serials = 0
         self._book = OutcomeBook()
         self.malformed = 0  # messages refused before any request could be named
@@ -162,6 +166,8 @@ class ReceiveTracker:
         self._serials += 1
         request.serial = self._serials
         self._requests[ext_id] = request
+        if request.deadline is not None:
+            self._next_deadline = min(self._next_deadline, request.deadline)
         early = self._early.pop(ext_id, None)
         if early is not None and self._may_announce(request, early[1]):
             self._fail(request, StateError(
@@ -188,16 +194,26 @@ class ReceiveTracker:
         return True
 
     def expire(self, now: float) -> list[str]:
-        """Fail every live request whose deadline passed; their ids."""
-        late = [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline and not r.terminal]
+        """Fail every live request whose deadline passed; their ids. Scans the requests only
+        when the earliest deadline may have passed (called after every message)."""
+        while self._early and now - next(iter(self._early.values()))[0] > _EARLY_SECONDS:
+            self._early.popitem(last=False)
+        if now < self._next_deadline:
+            return []
+        late, self._next_deadline = [], math.inf
+        for r in self._requests.values():
+            if r.deadline is None or r.terminal:
+                continue
+            if now >= r.deadline:
+                late.append(r)
+            else:
+                self._next_deadline = min(self._next_deadline, r.deadline)
         for request in late:
             waited = now - request.started
             self._fail(request, DeadlineExceeded(
                 f"request {request.ext_id!r}: not complete {waited:.1f}s after it was expected "
                 f"({request.state.value}; contributors final: {sorted(request.finals)})"
             ), now)
-        while self._early and now - next(iter(self._early.values()))[0] > _EARLY_SECONDS:
-            self._early.popitem(last=False)
         return [r.ext_id for r in late]
 
     # -- collecting outcomes ------------------------------------------------------------

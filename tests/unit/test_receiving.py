@@ -354,6 +354,23 @@ def test_a_request_past_its_deadline_fails() -> None:
     assert outcomes["own"].seconds == 5.0
 
 
+def test_deadlines_expire_in_order_whatever_ended_before_them() -> None:
+    """expire skips its scan until the earliest deadline may have passed: a request that
+    ended early, or one expected later with an earlier deadline, changes nothing of when
+    each expires."""
+    t = tracker(request_timeout=None)
+    t.expect("gone", Destinations.of([0]), 0.0, deadline=3.0)
+    t.expect("b", Destinations.of([1]), 0.0, deadline=10.0)
+    assert t.abort("gone", 1.0)  # the earliest deadline belongs to an ended request now
+    assert t.expire(4.0) == []
+    t.expect("a", Destinations.of([2]), 4.0, deadline=2.0)  # expected later, due sooner: 6.0
+    assert t.expire(5.9) == []
+    assert t.expire(6.0) == ["a"]
+    assert t.expire(9.9) == []
+    assert t.expire(10.0) == ["b"]
+    assert t.expire(1e9) == []
+
+
 def test_a_dead_peer_fails_what_it_announced() -> None:
     t = tracker()
     t.expect("a", Destinations.of([0, 1]), 0.0)
