@@ -8,7 +8,7 @@ gets a complete copy. See ``rd2h.topology`` for the split rule itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -20,7 +20,7 @@ from rd2h.errors import BlockRangeError, RD2HError
 from rd2h.planning import RequestRead
 from rd2h.topology import indexer_share, main_share
 
-__all__ = ["MainSplit", "Destinations", "plan_reads"]
+__all__ = ["MainSplit", "Destinations", "StepReads", "plan_reads"]
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -90,3 +90,56 @@ def plan_reads(
         src_main, src_index = req.main_ids()[m_lo:m_hi], req.indexer_ids()[i_lo:i_hi]
         reads.append(RequestRead(req.ext_req_id, src_main, dst_main, src_index, dst_index))
     return reads, refused
+
+
+class StepReads:
+    """``plan_reads`` with a memory of the step. Every layer of a Prefill step repeats the
+    same ``read_reqs`` (Prefill sends the packed bytes unchanged), so this rank's reads, the
+    requests it cannot read and the bytes each request moves are derived once per step and
+    peer, not per layer. Not thread-safe: one per loop.
+    """
+
+    def __init__(self, *, decode_rank: int, decode_tp: int, main_split: MainSplit, remembered: int = 8) -> None:
+        self._rank, self._tp, self._split = decode_rank, decode_tp, main_split
+        self._remembered = remembered
+        self._reads: dict[Hashable, tuple[list[RequestRead], dict[str, RD2HError]]] = {}
+        # (id of a step's reads, bytes per block) -> those reads (kept: the id stays theirs), bytes per request
+        self._bytes: dict[tuple[int, tuple[int, int]], tuple[list[RequestRead], dict[str, int]]] = {}
+
+    def reads(
+        self,
+        peer: Hashable,
+        batch: protocol.ReadReadyBatch,
+        readable: Mapping[str, Destinations],
+        requests: Hashable,
+    ) -> tuple[Hashable | None, list[RequestRead], dict[str, RD2HError]]:
+        """The step's key (None: the batch cannot be told from another), this rank's reads of
+        the ``readable`` requests and those it refuses. ``requests`` names the request
+        instances admitted (a later request of the same id is another step)."""
+        key = None
+        if batch.reqs_bytes:
+            key = (peer, batch.reqs_bytes, batch.group_member_idx, batch.tp_ratio, requests)
+        found = None if key is None else self._reads.get(key)
+        if found is None:
+            found = plan_reads(batch, readable, decode_rank=self._rank, decode_tp=self._tp, main_split=self._split)
+            if key is not None:
+                self._reads[key] = found
+                while len(self._reads) > self._remembered:  # the latest steps of the latest peers
+                    del self._reads[next(iter(self._reads))]
+        return key, *found
+
+    def request_bytes(
+        self, reads: list[RequestRead], per_block: tuple[int, int], failed: Mapping[str, RD2HError]
+    ) -> dict[str, int]:
+        """Bytes each request of ``reads`` moves on a layer of ``per_block`` (main, indexer)
+        bytes per block id, the ``failed`` left out. Read only: the dict may be shared."""
+        key = (id(reads), per_block)
+        entry = self._bytes.get(key)
+        if entry is None or entry[0] is not reads:
+            main_bytes, extra_bytes = per_block
+            every = {r.ext_req_id: len(r.dst_main) * main_bytes + len(r.dst_indexer) * extra_bytes for r in reads}
+            entry = self._bytes[key] = (reads, every)
+            while len(self._bytes) > 2 * self._remembered:
+                del self._bytes[next(iter(self._bytes))]
+        every = entry[1]
+        return {e: n for e, n in every.items() if e not in failed} if failed else every

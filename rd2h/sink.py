@@ -50,7 +50,7 @@ from rd2h.outcome import Outcome
 from rd2h.peer_limits import Oversized, PeerBook, PeerLimits, oversized_readiness
 from rd2h.readiness import ReadinessDecoder
 from rd2h.receiving import Admission, ReceiveTracker
-from rd2h.shares import Destinations, MainSplit, plan_reads
+from rd2h.shares import Destinations, MainSplit, StepReads
 from rd2h.regions import RegionSet, merge_by_device
 
 __all__ = ["Destinations", "LayerStat", "MainSplit", "Sink"]
@@ -164,9 +164,7 @@ class Sink:
         self._decoder = ReadinessDecoder()
         self._plans = StepPlans()  # a plan is read before the next is built
         self._plans.learn(self._layers.values(), self._regions)
-        self._step_reads: dict[object, tuple[list[RequestRead], dict[str, RD2HError]]] = {}
-        # (id of a step's reads, bytes per block) -> those reads (kept: the id stays theirs), bytes per request
-        self._step_bytes: dict[tuple[int, tuple[int, int]], tuple[Sequence[RequestRead], dict[str, int]]] = {}
+        self._step_reads = StepReads(decode_rank=rank, decode_tp=tp_size, main_split=self._tracker.main_split)
         self._changed = threading.Condition()  # guards the tracker (user threads vs the loop)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -427,7 +425,7 @@ class Sink:
         else:
             if plan is not None:
                 read_seconds = self._read(identity, plan, failed)
-                nbytes = self._request_bytes(batch.layer_name, reads, failed)
+                nbytes = self._step_reads.request_bytes(reads, _bytes_per_block(self._layers[batch.layer_name]), failed)
             with self._changed:
                 failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
                 self._answer(identity, batch, admission, failures)
@@ -450,19 +448,7 @@ class Sink:
         if src is None or dst is None:
             side = "Prefill" if src is None else "Decode"
             raise LayoutError(f"layer {batch.layer_name!r} unknown on {side}")
-        key = None
-        if batch.reqs_bytes:  # the same readiness of the step: the same reads
-            key = (identity, batch.reqs_bytes, batch.group_member_idx, batch.tp_ratio, admission.requests)
-        cached = None if key is None else self._step_reads.get(key)
-        if cached is None:
-            cached = plan_reads(
-                batch, admission.readable, decode_rank=self.rank, decode_tp=self.tp_size, main_split=self.main_split
-            )
-            if key is not None:
-                self._step_reads[key] = cached
-                if len(self._step_reads) > 8:  # the latest steps of the latest peers
-                    del self._step_reads[next(iter(self._step_reads))]
-        reads, refused = cached
+        key, reads, refused = self._step_reads.reads(identity, batch, admission.readable, admission.requests)
         plan = self._plans.build(
             key, src, dst, reads, src_regions=peer.regions, dst_regions=self._regions, layer_name=batch.layer_name
         )
@@ -482,24 +468,6 @@ class Sink:
         self.counters.layers_read += 1
         self.counters.read_seconds += seconds
         return seconds
-
-    def _request_bytes(
-        self, layer_name: str, reads: Sequence[RequestRead], failed: Mapping[str, RD2HError]
-    ) -> dict[str, int]:
-        """Bytes read per request on this layer (per request, not per block). The same step's
-        reads on layers of the same block sizes give the same figures: derived once."""
-        per_block = _bytes_per_block(self._layers[layer_name])
-        key = (id(reads), per_block)
-        entry = self._step_bytes.get(key)
-        if entry is None or entry[0] is not reads:
-            main_bytes, extra_bytes = per_block
-            entry = self._step_bytes[key] = (reads, {
-                r.ext_req_id: len(r.dst_main) * main_bytes + len(r.dst_indexer) * extra_bytes for r in reads
-            })
-            if len(self._step_bytes) > 16:  # as many as the step reads remembered, and their sizes
-                del self._step_bytes[next(iter(self._step_bytes))]
-        every = entry[1]
-        return {e: n for e, n in every.items() if e not in failed} if failed else every
 
     def _answer(
         self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission, failures: Mapping[str, RD2HError]

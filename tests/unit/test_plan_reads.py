@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.protocol import ReadReadyBatch, ReadRequest
-from rd2h.shares import Destinations, plan_reads
+from rd2h.shares import Destinations, MainSplit, plan_reads
 from rd2h.topology import Topology
 
 TOPOLOGIES = [(p, d) for p in (1, 2, 3, 4, 8, 16) for d in (1, 2, 4, 8) if p % d == 0 or d % p == 0]
@@ -56,3 +56,34 @@ def test_short_destinations_are_refused_alone_and_requests_without_destinations_
     assert [r.ext_req_id for r in reads] == ["ok"]
     assert set(refused) == {"short"} and "beyond the 2 blocks" in str(refused["short"])
     # (an id with no destinations was refused by the receive tracker before planning)
+
+
+def _decoded(layer: int, reqs: tuple[ReadRequest, ...]) -> ReadReadyBatch:
+    """A readiness as Decode gets it: through the real codec (which sets reqs_bytes)."""
+    from rd2h import protocol
+    from rd2h.readiness import ReadinessDecoder
+
+    batch = ReadinessDecoder().decode(protocol.encode(ReadReadyBatch(layer, f"l{layer}", reqs, (), 0, 1)))
+    assert isinstance(batch, ReadReadyBatch) and batch.reqs_bytes
+    return batch
+
+
+def test_step_reads_derives_a_step_once_and_its_bytes_per_block_size() -> None:
+    from rd2h.shares import StepReads
+
+    reqs = (ReadRequest("a", (1, 2), (1, 2), 0, 0), ReadRequest("b", (3,), (3,), 0, 0))
+    dest = {"a": Destinations.of([10, 11]), "b": Destinations.of([12])}
+    steps = StepReads(decode_rank=0, decode_tp=1, main_split=MainSplit.SHARED)
+    key0, reads0, refused0 = steps.reads(b"peer", _decoded(0, reqs), dest, (("a", 1), ("b", 2)))
+    key1, reads1, _ = steps.reads(b"peer", _decoded(1, reqs), dest, (("a", 1), ("b", 2)))
+    assert key0 == key1 and reads1 is reads0 and refused0 == {}  # the second layer: nothing derived
+    want, _ = plan_reads(_decoded(0, reqs), dest, decode_rank=0, decode_tp=1)
+    assert [(r.ext_req_id, r.dst_main.tolist()) for r in reads0] == [(r.ext_req_id, r.dst_main.tolist()) for r in want]
+    _, again, _ = steps.reads(b"peer", _decoded(2, reqs), dest, (("a", 3), ("b", 2)))  # a new instance of "a"
+    assert again is not reads0
+    _, other, _ = steps.reads(b"other", _decoded(2, reqs), dest, (("a", 1), ("b", 2)))  # another peer
+    assert other is not reads0
+    assert steps.request_bytes(reads0, (64, 8), {}) == {"a": 2 * (64 + 8), "b": 64 + 8}
+    assert steps.request_bytes(reads0, (32, 0), {"b": ValueError("x")}) == {"a": 64}  # type: ignore[dict-item]
+    unkeyed = ReadReadyBatch(0, "l0", reqs, (), 0, 1)  # built in memory: no packed bytes to key on
+    assert steps.reads(b"peer", unkeyed, dest, ())[0] is None
