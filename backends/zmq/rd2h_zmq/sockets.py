@@ -297,6 +297,9 @@ class ZmqDialer(Dialer):
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._addresses: dict[zmq.Socket[bytes], str] = {}
         self._fds: tuple[int, ...] = ()  # the sockets' notification fds, rebuilt on (dis)connect
+        # recv's thread only: the poll set it waits on, and the fds it was made for
+        self._poller = select.poll()
+        self._polled: tuple[int, ...] | None = None
         self._next = 0  # where recv starts looking, so one busy endpoint cannot starve others
         # A byte in this pipe makes a blocked recv look again; it returns None only when
         # ``wakeup()`` asked for that (``_woken``), not for a kick from a send.
@@ -333,19 +336,18 @@ class ZmqDialer(Dialer):
 
     def recv(self, timeout: float) -> tuple[str, bytes] | None:
         deadline = time.monotonic() + max(0.0, timeout)
-        poller, fds = select.poll(), None
         while True:
             with self._lock:
                 self._check_open()
                 item = self._take_waiting()
-                if self._fds != fds:  # a socket came or went: wait on the new set
-                    fds = self._fds
-                    poller = select.poll()
-                    for fd in (*fds, self._wake_r):
-                        poller.register(fd, select.POLLIN)
+                if self._fds != self._polled:  # a socket came or went: wait on the new set
+                    self._polled = self._fds
+                    self._poller = select.poll()
+                    for fd in (*self._fds, self._wake_r):
+                        self._poller.register(fd, select.POLLIN)
             if item is not None:
                 return item
-            ready = _wait_readable(poller, _deadline_ms(deadline))
+            ready = _wait_readable(self._poller, _deadline_ms(deadline))
             if any(fd == self._wake_r for fd, _ in ready):
                 self._drain_wakeups()
                 if self._woken:
