@@ -147,6 +147,7 @@ class Sink:
         self.rank, self.tp_size = rank, tp_size
         self._engine, self._listener = engine, listener
         self._layers = dict(layers)
+        self._block_bytes = {name: _bytes_per_block(layout) for name, layout in self._layers.items()}
         regions = [r for layout in self._layers.values() for r in layout.regions()]
         self._regions = RegionSet(regions)  # every destination: no write lands outside it
         self._engine.register(merge_by_device(regions))
@@ -425,7 +426,7 @@ class Sink:
         else:
             if plan is not None:
                 read_seconds = self._read(identity, plan, failed)
-                nbytes = self._step_reads.request_bytes(reads, _bytes_per_block(self._layers[batch.layer_name]), failed)
+                nbytes = self._step_reads.request_bytes(reads, self._block_bytes[batch.layer_name], failed)
             with self._changed:
                 failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
                 self._answer(identity, batch, admission, failures)
