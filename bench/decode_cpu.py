@@ -37,11 +37,12 @@ class _Harness:
     """A sink with one admitted peer (this process), ready for readiness frames."""
 
     def __init__(self, layers: int, pool_blocks: int) -> None:
-        from rd2h import plugins, protocol
+        from rd2h import plugins
         from rd2h.api import LayerTensors, host_buffer, layer_layout
-        from rd2h.layer_metadata import encode_layer_metadata
-        from rd2h.mf_meta import MfMeta
-        from rd2h.sink import Sink
+        from rd2h.decode.sink import Sink
+        from rd2h.wire import protocol
+        from rd2h.wire.layer_metadata import encode_layer_metadata
+        from rd2h.wire.mf_meta import MfMeta
 
         self.protocol = protocol
         self.names = [f"layer.{i}" for i in range(layers)]

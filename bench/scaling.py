@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from rd2h.api import KVSink, KVSource, LayerTensors, host_buffer
-from rd2h.peer_limits import PeerLimits
-from rd2h.source import DecodeEndpoint
+from rd2h.decode.peer_limits import PeerLimits
+from rd2h.prefill.source import DecodeEndpoint
 
 MAIN_BYTES, INDEXER_BYTES = 64, 16
 _port = [7600]

@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from rd2h.protocol import ReadReadyBatch, ReadRequest, decode_request, encode
+from rd2h.wire.protocol import ReadReadyBatch, ReadRequest, decode_request, encode
 
 REQUESTS = 256
 BLOCKS = 512

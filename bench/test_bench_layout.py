@@ -28,9 +28,9 @@ import time
 import numpy as np
 import pytest
 
-from rd2h.layout import LayerLayout, TensorLayout, validate_layer
-from rd2h.planning import PlanBuilder, RequestRead, build_layer_plan
-from rd2h.regions import RegionSet
+from rd2h.layout.layers import LayerLayout, TensorLayout, validate_layer
+from rd2h.layout.planning import PlanBuilder, RequestRead, build_layer_plan
+from rd2h.layout.regions import RegionSet
 
 REQUESTS = 256
 BLOCKS = 512

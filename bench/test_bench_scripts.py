@@ -77,9 +77,9 @@ def test_profile_parser_sorts_samples_by_role_and_thread() -> None:
     sink = 'process 1:"python -m rd2h.cli demo";process 2:"python -c spawn; spawn_main()";thread (5): rd2h-sink-0;'
     prefill = 'process 1:"python -m rd2h.cli demo";process 3:"python -c spawn";thread (6): MainThread;'
     raw = "\n".join([
-        sink + "Sink._run (rd2h/sink.py:1);Sink._on_ready (rd2h/sink.py:2) 7",
-        sink + "Sink._run (rd2h/sink.py:1);Poller.poll (zmq/poll.py:3) 5",
-        prefill + "_prefill (rd2h/cli/demo/ranks.py:9);Source.layer_ready (rd2h/source.py:4) 3",
+        sink + "Sink._run (rd2h/decode/sink.py:1);Sink._on_ready (rd2h/decode/sink.py:2) 7",
+        sink + "Sink._run (rd2h/decode/sink.py:1);Poller.poll (zmq/poll.py:3) 5",
+        prefill + "_prefill (rd2h/cli/demo/ranks.py:9);Source.layer_ready (rd2h/prefill/source.py:4) 3",
     ])
     profile = profile_demo.parse(raw)
     busy = profile["decode", "rd2h-sink"]

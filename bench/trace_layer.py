@@ -15,6 +15,7 @@ wrapped names are the runtimes' private methods: this is a measuring tool and fo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import statistics
@@ -23,7 +24,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-import itertools
 
 _EVENTS: list[tuple[str, int]] = []
 
@@ -43,10 +43,10 @@ def _wrap(cls: Any, name: str, tag: str) -> None:
 
 def _prefill(port: int, layers: int, out: Any, go: Any) -> None:
     import numpy as np
-    from rd2h_zmq import sockets
 
-    from rd2h import gate, source
     from rd2h.api import KVSource, LayerTensors, host_buffer
+    from rd2h.prefill import gate, source
+    from rd2h_zmq import sockets
 
     _wrap(source.Source, "layer_ready", "P main: layer_ready")
     _wrap(source.Source, "_announce", "P source: announce")
@@ -69,8 +69,8 @@ def _prefill(port: int, layers: int, out: Any, go: Any) -> None:
 
 
 def _decode(port: int, layers: int, out: Any, ready: Any) -> None:
-    from rd2h import sink
     from rd2h.api import KVSink, LayerTensors, host_buffer
+    from rd2h.decode import sink
 
     _wrap(sink.Sink, "_handle", "D sink: handle")
     _wrap(sink.Sink, "_plan", "D sink: plan")

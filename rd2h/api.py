@@ -16,7 +16,7 @@ Prefill side (one per Prefill TP rank)::
 
 Tensors are torch tensors (cpu, cuda or npu, as the engine allows) or numpy arrays;
 dimension 0 indexes blocks and each block must be one dense page (a contiguous tensor, or a
-strided view whose blocks are contiguous: see ``rd2h.tensors.tensor_layout``).
+strided view whose blocks are contiguous: see ``rd2h.layout.tensors.tensor_layout``).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing import Any
 
 from rd2h import plugins
 from rd2h.clock import Clock, monotonic
+from rd2h.decode.peer_limits import PeerLimits
+from rd2h.decode.sink import MainSplit, Sink
 from rd2h.errors import ConfigError
-from rd2h.layout import LayerLayout
-from rd2h.peer_limits import PeerLimits
-from rd2h.sink import MainSplit, Sink
-from rd2h.source import DecodeEndpoint, Source
-from rd2h.tensors import LayerTensors, host_buffer, layer_layout, record_event, tensor_layout
-from rd2h.topology import base_port, decode_ports
+from rd2h.layout.layers import LayerLayout
+from rd2h.layout.tensors import LayerTensors, host_buffer, layer_layout, record_event, tensor_layout
+from rd2h.layout.topology import base_port, decode_ports
 from rd2h.outcome import Outcome, TerminalState
+from rd2h.prefill.source import DecodeEndpoint, Source
 
 __all__ = [
     "LayerTensors",
@@ -79,7 +79,7 @@ class KVSink(Sink):
     be loaded. ``endpoint`` is what Prefill needs to reach this Decode instance: it names
     ``advertise_host`` (default ``host``), so a sink may bind ``0.0.0.0`` and advertise the
     address peers route to. ``main_split``, ``request_timeout``, ``peer_limits``: see
-    :class:`~rd2h.sink.Sink`. The zmq channel refuses a host other than loopback without
+    :class:`~rd2h.decode.sink.Sink`. The zmq channel refuses a host other than loopback without
     CurveZMQ keys in ``channel_options`` unless they say ``allow_insecure=True``
     (docs/security.md).
     """

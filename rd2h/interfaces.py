@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rd2h.errors import IncompatiblePeerError
-from rd2h.regions import Region
+from rd2h.layout.regions import Region
 
 __all__ = [
     "Capability",

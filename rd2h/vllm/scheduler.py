@@ -20,8 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rd2h.endpoint import DecodeEndpoint
-from rd2h.topology import base_port
+from rd2h.layout.topology import base_port
 from rd2h.vllm.config import ConnectorConfig
 from rd2h.vllm.metadata import (
     WORKER_REPORTS,
@@ -34,6 +33,7 @@ from rd2h.vllm.metadata import (
     WorkerReport,
 )
 from rd2h.vllm.rendezvous import RendezvousPoster, child_index, ext_id_of
+from rd2h.wire.endpoint import DecodeEndpoint
 
 __all__ = ["PARAMS_KEY", "RD2HScheduler"]
 

@@ -15,12 +15,13 @@ import pytest
 import zmq
 import zmq.auth
 
-from rd2h import plugins, protocol
+from rd2h import plugins
 from rd2h.api import KVSink, KVSource, LayerTensors, layer_layout
 from rd2h.errors import DestinationError
-from rd2h.layer_metadata import encode_layer_metadata
-from rd2h.mf_meta import MfMeta
 from rd2h.outcome import TerminalState
+from rd2h.wire import protocol
+from rd2h.wire.layer_metadata import encode_layer_metadata
+from rd2h.wire.mf_meta import MfMeta
 
 pytestmark = pytest.mark.faults
 

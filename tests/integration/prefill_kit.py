@@ -12,12 +12,13 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rd2h import plugins, protocol
+from rd2h import plugins
 from rd2h.clock import Clock
-from rd2h.endpoint import DecodeEndpoint
 from rd2h.interfaces import Dialer, Listener
-from rd2h.source import Source
-from rd2h.tensors import LayerTensors, layer_layout
+from rd2h.layout.tensors import LayerTensors, layer_layout
+from rd2h.prefill.source import Source
+from rd2h.wire import protocol
+from rd2h.wire.endpoint import DecodeEndpoint
 
 BLOCK = 16
 _TCP, _MEMORY = "tcp://", "memory://"

@@ -11,13 +11,14 @@ import numpy as np
 from layers import layer_tensors
 from prefill_kit import BLOCK, MemoryNamed, memory_listener, memory_source
 
-from rd2h import plugins, protocol
+from rd2h import plugins
 from rd2h.clock import ManualClock
-from rd2h.endpoint import DecodeEndpoint
+from rd2h.decode.sink import LayerStat, Sink
 from rd2h.errors import ReplyTimeout
+from rd2h.layout.tensors import layer_layout
 from rd2h.outcome import TerminalState
-from rd2h.sink import LayerStat, Sink
-from rd2h.tensors import layer_layout
+from rd2h.wire import protocol
+from rd2h.wire.endpoint import DecodeEndpoint
 
 
 def _last_readiness(frames: list[bytes]) -> int | None:

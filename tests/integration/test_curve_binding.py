@@ -17,8 +17,8 @@ import zmq.auth
 from layers import layer_tensors
 
 from rd2h.api import KVSink, KVSource
-from rd2h.endpoint import DecodeEndpoint
 from rd2h.outcome import TerminalState
+from rd2h.wire.endpoint import DecodeEndpoint
 
 LAYERS = ("l0", "l1")
 BLOCK = 16  # tokens per block

@@ -7,10 +7,10 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-
-from rd2h import protocol
-from rd2h.api import KVSink, KVSource
 from layers import layer_tensors
+
+from rd2h.api import KVSink, KVSource
+from rd2h.wire import protocol
 
 NAMES = ["l0", "l1", "l2"]
 

@@ -14,10 +14,10 @@ import pytest
 
 from rd2h import plugins
 from rd2h.api import KVSink, KVSource, LayerTensors, layer_layout
+from rd2h.decode.sink import Sink
 from rd2h.errors import GateTimeout, ReplyTimeout
-from rd2h.sink import Sink
-from rd2h.source import DecodeEndpoint
 from rd2h.outcome import TerminalState
+from rd2h.prefill.source import DecodeEndpoint
 
 BLOCK = 16  # tokens per block
 NB = 32  # blocks per tensor
@@ -174,7 +174,7 @@ def test_device_memory_is_refused_by_a_host_only_engine_at_once() -> None:
     """A tensor on an accelerator reaches the engine with its device: the local engine (host
     memory only) refuses it when the runtime registers, not with EFAULT at the first read."""
     from rd2h.errors import TransferError
-    from rd2h.layout import LayerLayout, TensorLayout
+    from rd2h.layout.layers import LayerLayout, TensorLayout
 
     on_gpu = LayerLayout((TensorLayout(0x7F0000000000, 4096, 8, device="cuda"),))
     with pytest.raises(TransferError, match="cuda"):
@@ -183,7 +183,7 @@ def test_device_memory_is_refused_by_a_host_only_engine_at_once() -> None:
 
 def test_merge_by_device_keeps_devices_apart() -> None:
     from rd2h.interfaces import Region
-    from rd2h.regions import merge_by_device
+    from rd2h.layout.regions import merge_by_device
 
     merged = merge_by_device([Region(0, 10), Region(10, 5), Region(0, 8, "cuda"), Region(100, 1)])
     assert sorted(merged, key=lambda r: (r.device, r.addr)) == [

@@ -4,7 +4,7 @@ identity hangs keeps Decode's loop for nobody else.
 Real zmq on loopback and the real local engine. The stalling peer names this process and a
 proof socket that accepts and never answers until the test says so: the reader's check of
 the socket's owner (SO_PEERCRED) passes, then it waits for the proof, up to its bound (10 s).
-Before handshakes ran off the loop (rd2h.admission), a second, admitted peer got no reply
+Before handshakes ran off the loop (rd2h.decode.admission), a second, admitted peer got no reply
 to its readiness during that wait: every peer waited for the slowest handshake.
 """
 
@@ -16,14 +16,15 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from rd2h_local import _metadata
 from test_sink_limits import ARRIVAL_MS, World
 
-from rd2h import admission, protocol
 from rd2h.clock import ManualClock
-from rd2h.layer_metadata import encode_layer_metadata
-from rd2h.mf_meta import MfMeta
-from rd2h.peer_limits import PeerLimits
+from rd2h.decode import admission
+from rd2h.decode.peer_limits import PeerLimits
+from rd2h.wire import protocol
+from rd2h.wire.layer_metadata import encode_layer_metadata
+from rd2h.wire.mf_meta import MfMeta
+from rd2h_local import _metadata
 
 
 class SilentWitness:

@@ -17,14 +17,15 @@ import pytest
 from layers import layer_tensors
 from test_sink_peer import LAYERS, HandPeer
 
-from rd2h import plugins, protocol
+from rd2h import plugins
 from rd2h.api import layer_layout
 from rd2h.clock import ManualClock
-from rd2h.layer_metadata import encode_layer_metadata
-from rd2h.mf_meta import MfMeta
+from rd2h.decode.peer_limits import PeerLimits
+from rd2h.decode.sink import Sink
 from rd2h.outcome import TerminalState
-from rd2h.peer_limits import PeerLimits
-from rd2h.sink import Sink
+from rd2h.wire import protocol
+from rd2h.wire.layer_metadata import encode_layer_metadata
+from rd2h.wire.mf_meta import MfMeta
 
 
 def _mutate(frame: bytes, rng: random.Random) -> bytes:
@@ -64,7 +65,7 @@ def test_mutated_frames_never_break_the_rank(seed: int, request: pytest.FixtureR
     )  # fmt: skip
     peer = HandPeer(listener.address, layouts, metadata)
     meta = protocol.encode(MfMeta("fuzz", encode_layer_metadata(layouts), engine_metadata=metadata))
-    caplog.set_level(logging.ERROR, logger="rd2h.sink")
+    caplog.set_level(logging.ERROR, logger="rd2h.decode.sink")
     try:
         with sink:
             sink.expect("a", [1, 2])

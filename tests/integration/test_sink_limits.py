@@ -21,15 +21,16 @@ import pytest
 import zmq
 from layers import layer_tensors
 
-from rd2h import plugins, protocol
+from rd2h import plugins
 from rd2h.api import layer_layout
 from rd2h.clock import ManualClock
+from rd2h.decode.peer_limits import PeerLimits
+from rd2h.decode.sink import Sink
 from rd2h.errors import ProtocolError
-from rd2h.layer_metadata import encode_layer_metadata
-from rd2h.mf_meta import MfMeta
 from rd2h.outcome import TerminalState
-from rd2h.peer_limits import PeerLimits
-from rd2h.sink import Sink
+from rd2h.wire import protocol
+from rd2h.wire.layer_metadata import encode_layer_metadata
+from rd2h.wire.mf_meta import MfMeta
 
 LAYERS = ("l0", "l1")
 ARRIVAL_MS = 10_000

@@ -9,16 +9,17 @@ import pytest
 import zmq
 from layers import layer_tensors
 
-from rd2h import plugins, protocol
+from rd2h import plugins
 from rd2h.api import KVSink, layer_layout
-from rd2h.clock import ManualClock
-from rd2h.errors import DeadlineExceeded, IncompatiblePeerError, PeerGoneError, StateError, UnknownRequestError
-from rd2h.layer_metadata import encode_layer_metadata
-from rd2h.layout import LayerLayout, TensorLayout
-from rd2h.mf_meta import MetaForm, MfMeta
-from rd2h.outcome import TerminalState
 from rd2h.cli.peer import PeerProcess
-from rd2h.sink import Sink
+from rd2h.clock import ManualClock
+from rd2h.decode.sink import Sink
+from rd2h.errors import DeadlineExceeded, IncompatiblePeerError, PeerGoneError, StateError, UnknownRequestError
+from rd2h.layout.layers import LayerLayout, TensorLayout
+from rd2h.outcome import TerminalState
+from rd2h.wire import protocol
+from rd2h.wire.layer_metadata import encode_layer_metadata
+from rd2h.wire.mf_meta import MetaForm, MfMeta
 
 LAYERS = ("l0", "l1")
 

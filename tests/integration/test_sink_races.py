@@ -9,9 +9,9 @@ from layers import layer_tensors
 
 from rd2h import plugins
 from rd2h.api import KVSink, KVSource, layer_layout
-from rd2h.sink import Sink
-from rd2h.source import DecodeEndpoint
+from rd2h.decode.sink import Sink
 from rd2h.outcome import TerminalState
+from rd2h.prefill.source import DecodeEndpoint
 
 BLOCK = 16
 
@@ -65,14 +65,14 @@ def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -
 
 def test_failed_sink_constructor_frees_the_port(kv_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sink.__init__ fails after KVSink bound the listener: the port must be free again."""
-    import rd2h.sink
+    import rd2h.decode.sink
 
     def broken() -> None:
         raise RuntimeError("constructor failed after the bind")
 
     layers = {"l": layer_tensors(False)}
     with monkeypatch.context() as patch:
-        patch.setattr(rd2h.sink, "StepPlans", broken)
+        patch.setattr(rd2h.decode.sink, "StepPlans", broken)
         with pytest.raises(RuntimeError, match="after the bind") as info:
             KVSink(layers, kv_port=kv_port)
         kept = info.value  # the caller may keep the exception (and its traceback) alive  # noqa: F841

@@ -15,13 +15,14 @@ import pytest
 from layers import layer_tensors
 from test_sink_peer import LAYERS, HandPeer
 
-from rd2h import plugins, protocol
+from rd2h import plugins
 from rd2h.api import layer_layout
-from rd2h.clock import ManualClock
 from rd2h.cli.peer import PeerProcess
-from rd2h.layout import LayerLayout, TensorLayout
+from rd2h.clock import ManualClock
+from rd2h.decode.sink import Sink
+from rd2h.layout.layers import LayerLayout, TensorLayout
 from rd2h.outcome import TerminalState
-from rd2h.sink import Sink
+from rd2h.wire import protocol
 
 
 @pytest.fixture

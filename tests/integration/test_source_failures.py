@@ -8,7 +8,6 @@ import pytest
 from layers import layer_tensors
 from prefill_kit import BLOCK, ScriptedDecode, memory_source
 
-from rd2h import protocol
 from rd2h.api import KVSink, KVSource
 from rd2h.clock import ManualClock
 from rd2h.errors import (
@@ -19,6 +18,7 @@ from rd2h.errors import (
     WaitTimeout,
 )
 from rd2h.outcome import TerminalState
+from rd2h.wire import protocol
 
 
 class _BrokenEvent:

@@ -68,7 +68,7 @@ def main() -> int:
         src = {n: tensors(i, blocks, True) for i, n in enumerate(names)}
         side: Any = KVSource(src, block_size=conf["block_size"], engine=conf["engine"], engine_options=options,
                              reply_timeout=conf["reply_timeout"], channel_options=conf["channel_options"])
-        from rd2h.source import DecodeEndpoint
+        from rd2h.prefill.source import DecodeEndpoint
 
         endpoint = DecodeEndpoint(conf["decode_host"], conf["kv_port"], 1)
     else:

@@ -33,11 +33,24 @@ def test_the_import_contracts_hold() -> None:
 def test_the_contracts_catch_a_pure_module_using_threads_and_the_cli_using_the_test_suite(tmp_path: Path) -> None:
     copy = tmp_path / "rd2h"
     shutil.copytree(ROOT / "rd2h", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with (copy / "layout.py").open("a") as f:
+    with (copy / "layout" / "layers.py").open("a") as f:
         f.write("\nimport threading  # noqa\n")
     with (copy / "cli" / "peer.py").open("a") as f:
         f.write("\nimport rd2h.testing.engine_suite  # noqa\n")
     result = lint_imports(cwd=tmp_path, pythonpath=str(tmp_path))
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "rd2h.layout -> threading" in result.stdout
+    assert "rd2h.layout.layers -> threading" in result.stdout
     assert "rd2h.cli.peer -> rd2h.testing.engine_suite" in result.stdout
+
+
+def test_the_contracts_catch_one_side_importing_the_other_and_the_wire_importing_a_runtime(tmp_path: Path) -> None:
+    copy = tmp_path / "rd2h"
+    shutil.copytree(ROOT / "rd2h", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with (copy / "prefill" / "source.py").open("a") as f:
+        f.write("\nimport rd2h.decode.sink  # noqa\n")
+    with (copy / "wire" / "endpoint.py").open("a") as f:
+        f.write("\nimport rd2h.prefill.send_tracker  # noqa\n")
+    result = lint_imports(cwd=tmp_path, pythonpath=str(tmp_path))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rd2h.prefill.source -> rd2h.decode.sink" in result.stdout
+    assert "rd2h.wire.endpoint -> rd2h.prefill.send_tracker" in result.stdout

@@ -47,18 +47,21 @@ def forbidden(name: str, *, importer: str = "", stdlib: bool = True) -> bool:
     return any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
 
 
-def imported_names(path: Path) -> list[str]:
-    """Every module name the file imports, resolved to absolute names inside rd2h."""
+def imported_names(path: Path, package: str = "rd2h") -> list[str]:
+    """Every module name the file imports, resolved to absolute names inside rd2h (``package``
+    is the one the file sits in, for relative imports)."""
     names: list[str] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:  # relative: rd2h/<file>.py sits in package rd2h
-                base = "rd2h" + (f".{base}" if base else "")
+            if node.level:  # relative to the file's package (one level up per extra dot)
+                parent = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = parent + (f".{base}" if base else "")
             names.append(base)
-            names += [f"{base}.{alias.name}" for alias in node.names if base == "rd2h"]
+            if (PACKAGE.parent / base.replace(".", "/")).is_dir():  # a package: the names may be modules
+                names += [f"{base}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Call):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
@@ -71,14 +74,15 @@ def imported_names(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("name", PURE)
 def test_pure_module_imports_nothing_forbidden(name: str) -> None:
-    path = PACKAGE / f"{name}.py"
-    assert path.exists(), f"rd2h/{name}.py is in the import contract but missing"
-    bad = sorted({n for n in imported_names(path) if forbidden(n, importer=f"rd2h.{name}")})
-    assert not bad, f"rd2h/{name}.py imports {bad}; pure modules must not"
+    path = PACKAGE / (name.replace(".", "/") + ".py")
+    package = "rd2h." + name.rpartition(".")[0] if "." in name else "rd2h"
+    assert path.exists(), f"{path} is in the import contract but missing"
+    bad = sorted({n for n in imported_names(path, package) if forbidden(n, importer=f"rd2h.{name}")})
+    assert not bad, f"{path} imports {bad}; pure modules must not"
 
 
 def test_pure_modules_load_nothing_forbidden_at_run_time() -> None:
-    assert "protocol" in PURE and "layout" in PURE
+    assert "wire.protocol" in PURE and "layout.layers" in PURE
     code = (
         "import importlib, json, sys\n"
         f"for n in {PURE!r}: importlib.import_module('rd2h.' + n)\n"
@@ -94,8 +98,8 @@ def test_pure_modules_load_nothing_forbidden_at_run_time() -> None:
 def test_the_scan_sees_forbidden_imports(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text(
-        "import os\nimport socket\nimport zmq.asyncio\nfrom torch import nn\nfrom . import sink\nfrom .plugins import load\n"
+        "import os\nimport socket\nimport zmq.asyncio\nfrom torch import nn\nfrom .decode import sink\nfrom .plugins import load\n"
         "import importlib\nimportlib.import_module('rd2h_local')\n__import__('vllm')\nimport threading\n"
     )
     bad = sorted(n for n in imported_names(sample) if forbidden(n))
-    assert bad == ["rd2h.plugins", "rd2h.sink", "rd2h_local", "socket", "threading", "torch", "vllm", "zmq.asyncio"]
+    assert bad == ["rd2h.decode.sink", "rd2h.plugins", "rd2h_local", "socket", "threading", "torch", "vllm", "zmq.asyncio"]

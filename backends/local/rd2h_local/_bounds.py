@@ -1,6 +1,6 @@
 """A fast yes/no over a ``RegionSet``, for the once-per-layer check.
 
-``rd2h.regions.RegionSet`` is the authority: it merges regions and, when a range is
+``rd2h.layout.regions.RegionSet`` is the authority: it merges regions and, when a range is
 outside, names it in the ``RegionError``. This only answers "is every range inside?"
 in as few numpy calls as possible, because right after a large copy has evicted the
 caches each call costs tens of microseconds. A "no" is always re-checked by
@@ -14,7 +14,7 @@ import bisect
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.regions import RegionSet
+from rd2h.layout.regions import RegionSet
 
 __all__ = ["FastBounds"]
 

@@ -18,6 +18,7 @@ from typing import NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from rd2h.engine_support import check_read_arrays
 from rd2h.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -26,9 +27,8 @@ from rd2h.errors import (
     TransferError,
     TransferTimeout,
 )
-from rd2h.engine_support import check_read_arrays
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
-from rd2h.regions import RegionSet
+from rd2h.layout.regions import RegionSet
 from rd2h_local import _iov, _metadata, _proof, _sys
 from rd2h_local._bounds import FastBounds
 

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from rd2h.errors import ConfigError, PeerGoneError, RegionError, TransferError, TransferTimeout
 from rd2h.interfaces import Capability, Region
+from rd2h.layout.regions import RegionSet
 from rd2h.testing.peer import PeerProcess
-from rd2h.regions import RegionSet
 from rd2h_local import LocalEngine, _iov, _metadata, _sys
 from rd2h_local._bounds import FastBounds
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from rd2h.engine_support import answers_at, goes_quiet
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
-from rd2h.regions import RegionSet
+from rd2h.layout.regions import RegionSet
 
 __all__ = ["Config", "Native", "acquire", "environment", "npu_present"]
 

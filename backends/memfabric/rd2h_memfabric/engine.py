@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.errors import ConfigError, PeerGoneError, PortError, TransferError, TransferTimeout
 from rd2h.engine_support import check_read_arrays
+from rd2h.errors import ConfigError, PeerGoneError, PortError, TransferError, TransferTimeout
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
-from rd2h.regions import RegionSet
+from rd2h.layout.regions import RegionSet
 from rd2h_memfabric import _metadata, _native
 
 __all__ = ["MemFabricEngine", "MemFabricSession"]

@@ -14,7 +14,7 @@ import pytest
 
 from rd2h.errors import PeerGoneError, RegionError, TransferError
 from rd2h.interfaces import Region
-from rd2h.regions import RegionSet
+from rd2h.layout.regions import RegionSet
 from rd2h_memfabric import MemFabricEngine, _native
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from rd2h.errors import BackendUnavailableError, ConfigError, PortError, TransferError
 from rd2h.interfaces import Availability
+from rd2h.layout.regions import RegionSet
 from rd2h.plugins import engine_class
-from rd2h.regions import RegionSet
 from rd2h_memfabric import MemFabricEngine, _metadata, _native
 from rd2h_memfabric.engine import _resolve_data_op
 

@@ -28,7 +28,7 @@ import numpy.typing as npt
 from rd2h.engine_support import answers_at, bounded_call, check_host_regions, check_read_arrays, goes_quiet
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
-from rd2h.regions import RegionSet
+from rd2h.layout.regions import RegionSet
 from rd2h_mooncake import _metadata, _native
 
 __all__ = ["MooncakeEngine", "MooncakeSession"]

@@ -31,7 +31,7 @@ import numpy.typing as npt
 from rd2h.engine_support import check_host_regions, check_read_arrays
 from rd2h.errors import BackendUnavailableError, ConfigError, TransferError, TransferTimeout
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
-from rd2h.regions import RegionSet
+from rd2h.layout.regions import RegionSet
 from rd2h_nixl import _metadata, _native
 
 __all__ = ["NixlEngine", "NixlSession"]

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from rd2h.api import KVSink, KVSource, LayerTensors, host_buffer
-from rd2h.chunking import ChunkPlanner
 from rd2h.cli.demo.workload import INDEXER, MAIN_TENSORS, SCALE, DemoConfig, TensorSpec, Workload, pattern
-from rd2h.source import DecodeEndpoint
-from rd2h.topology import base_port
+from rd2h.layout.chunking import ChunkPlanner
+from rd2h.layout.topology import base_port
+from rd2h.prefill.source import DecodeEndpoint
 
 __all__ = ["prefill_rank", "decode_rank", "main_pool_views", "main_pool_bytes", "verify"]
 

@@ -22,7 +22,7 @@ from rd2h import plugins
 from rd2h.cli.demo import ranks
 from rd2h.cli.demo.workload import MAIN_TENSORS, DemoConfig, Workload
 from rd2h.errors import BackendUnavailableError, PortInUseError, RD2HError
-from rd2h.topology import decode_ports
+from rd2h.layout.topology import decode_ports
 
 __all__ = ["DemoFailed", "DemoResult", "preflight", "run_demo"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rd2h.errors import ConfigError
-from rd2h.topology import Topology, decode_ports
+from rd2h.layout.topology import Topology, decode_ports
 
 __all__ = ["TensorSpec", "DemoConfig", "RequestPlan", "Workload", "pattern"]
 

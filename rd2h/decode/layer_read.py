@@ -1,0 +1,253 @@
+"""One readiness of an admitted Prefill peer: this rank's share planned, one batched read, one reply.
+
+The :class:`~rd2h.decode.sink.Sink` loop hands every ``read_ready_batch`` here. The tracker
+says which requests may be read; the layer's layouts are checked against the peer's, this
+rank's share is planned into descriptors (moved from the step's template when the step was
+seen on an earlier layer), everything is read in one ``read_batch``, the tracker records
+what arrived, and exactly one READ_DONE or READ_FAILED goes back, naming each failed request.
+The reply is sent under the tracker's lock, after the tracker recorded the read: no outcome
+of a readiness can be collected before its reply is known to be sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from rd2h.decode.peer_limits import Oversized
+from rd2h.decode.rank_reads import StepReads
+from rd2h.decode.receive_tracker import Admission, ReceiveTracker
+from rd2h.errors import LayoutError, RD2HError, wire_kind
+from rd2h.interfaces import Listener, Session, TransferEngine
+from rd2h.layout.layers import LayerLayout
+from rd2h.layout.planning import LayerPlan, RequestRead
+from rd2h.layout.regions import RegionSet
+from rd2h.layout.step_plans import StepPlans
+from rd2h.wire import protocol
+
+__all__ = ["AdmittedPeer", "Counters", "LayerReader", "LayerStat"]
+
+log = logging.getLogger("rd2h.decode.sink")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStat:
+    """One handled readiness: what was read and how long it took."""
+
+    layer_idx: int
+    nbytes: int
+    descriptors: int
+    read_seconds: float
+    handle_seconds: float
+    failed: int
+
+
+@dataclass(slots=True)
+class AdmittedPeer:
+    """A Prefill peer whose ``mf_meta`` was accepted: its layouts, engine session and regions."""
+
+    p_session: str
+    layers: dict[str, LayerLayout]
+    session: Session
+    regions: RegionSet
+
+
+@dataclass(slots=True)
+class Counters:
+    """What a Decode rank did, for tests, benchmarks and operators (loop thread writes)."""
+
+    bytes_read: int = 0
+    layers_read: int = 0
+    malformed: int = 0
+    oversized: int = 0  # readiness refused for naming too many block ids
+    peers_dropped: int = 0  # peers forgotten: over a cap, or idle
+    read_seconds: float = 0.0
+    stats: deque[LayerStat] = field(default_factory=lambda: deque(maxlen=1 << 16))  # the latest layers
+
+
+def _bytes_per_block(layout: LayerLayout) -> tuple[int, int]:
+    """Bytes one main block id and one indexer block id move on this layer."""
+    main = sum(t.block_len * t.block_size_scale for t in layout.main)
+    extra = sum(t.block_len * t.block_size_scale for t in (layout.indexer, layout.scale) if t is not None)
+    return main, extra
+
+
+def summarize(failures: Mapping[str, RD2HError], shown: int = 4) -> str:
+    """One error text for a READ_FAILED that names several requests: each with its reason."""
+    parts = [f"{ext_id!r}: {error}" for ext_id, error in list(failures.items())[:shown]]
+    if len(failures) > shown:
+        parts.append(f"and {len(failures) - shown} more")
+    return f"{len(failures)} request(s) failed: " + "; ".join(parts)
+
+
+def failed_reply(layer_idx: int, failures: Mapping[str, RD2HError]) -> protocol.ReadFailed:
+    kinds = {wire_kind(e) for e in failures.values()}
+    kind = kinds.pop() if len(kinds) == 1 else "RD2HError"
+    return protocol.ReadFailed(layer_idx, summarize(failures), tuple(failures), kind)
+
+
+class LayerReader:
+    """Reads layers for one Decode rank; runs on the sink's loop thread only.
+
+    It shares with the sink the tracker and the Condition that guards it, the listener
+    (replies), the engine (reads), the admitted peers (the sink adds and removes them) and
+    the counters.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        tp_size: int,
+        engine: TransferEngine,
+        listener: Listener,
+        tracker: ReceiveTracker,
+        changed: threading.Condition,
+        layers: Mapping[str, LayerLayout],
+        regions: RegionSet,
+        peers: Mapping[bytes, AdmittedPeer],
+        clock: Callable[[], float],
+        counters: Counters,
+        on_layer: Callable[[LayerStat], None] | None = None,
+    ) -> None:
+        self.rank = rank
+        self._engine, self._listener = engine, listener
+        self._tracker, self._changed = tracker, changed
+        self._layers, self._regions, self._peers = layers, regions, peers
+        self._clock = clock
+        self.counters = counters
+        self._on_layer = on_layer
+        self._block_bytes = {name: _bytes_per_block(layout) for name, layout in layers.items()}
+        # what a step repeats on every layer is derived once per step
+        self._plans = StepPlans()  # a plan is read before the next is built
+        self._plans.learn(layers.values(), regions)
+        self._step_reads = StepReads(decode_rank=rank, decode_tp=tp_size, main_split=tracker.main_split)
+
+    def learn_peer(self, peer: AdmittedPeer) -> None:
+        """Validate and describe a new peer's layouts now, not on the first layer of a step."""
+        self._plans.learn(peer.layers.values(), peer.regions)
+        self._plans.learn_pairs(
+            (name, layout, self._layers[name]) for name, layout in peer.layers.items() if name in self._layers
+        )
+
+    def on_ready(self, identity: bytes, batch: protocol.ReadReadyBatch) -> None:
+        started = time.perf_counter()
+        with self._changed:
+            admission = self._tracker.on_readiness(identity, batch, self._clock())
+        if admission.meta_required:
+            self.send(identity, protocol.ReadFailed.meta_required(batch.layer_idx))
+            return
+        plan: LayerPlan | None = None
+        read_seconds = 0.0
+        failed: dict[str, RD2HError] = {}
+        nbytes: dict[str, int] = {}
+        try:
+            if admission.readable:
+                plan, reads, failed = self._plan(identity, batch, admission)
+        except RD2HError as exc:  # a layout mismatch fails the whole layer before any read
+            with self._changed:
+                failures = self._tracker.fail_readable(admission, exc, self._clock())
+                self._answer(identity, batch, admission, failures)
+        else:
+            if plan is not None:
+                read_seconds = self._read(identity, plan, failed)
+                nbytes = self._step_reads.request_bytes(reads, self._block_bytes[batch.layer_name], failed)
+            with self._changed:
+                failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
+                self._answer(identity, batch, admission, failures)
+        stat = LayerStat(
+            batch.layer_idx, 0 if plan is None else plan.nbytes, 0 if plan is None else len(plan),
+            read_seconds, time.perf_counter() - started, len(failures),
+        )  # fmt: skip
+        self.counters.stats.append(stat)
+        if self._on_layer is not None:
+            self._on_layer(stat)
+
+    def refuse_oversized(self, identity: bytes, over: Oversized, max_ids: int) -> None:
+        """Refuse a readiness naming too many ids, per request, without decoding its ids."""
+        self.counters.oversized += 1
+        error = over.refusal(max_ids)
+        log.warning("rank %d: refused %r: %s", self.rank, identity, error)
+        stub = over.as_batch()
+        if stub is None:  # not even its header is valid: nothing to answer
+            self.counters.malformed += 1
+            return
+        with self._changed:
+            admission = self._tracker.on_readiness(identity, stub, self._clock())
+            failures = self._tracker.fail_readable(admission, error, self._clock())
+            self._changed.notify_all()
+        if admission.meta_required:
+            self.send(identity, protocol.ReadFailed.meta_required(over.layer_idx))
+        elif failures:
+            self.send(identity, failed_reply(over.layer_idx, failures))
+        else:  # it named no request by a valid id: the whole layer is refused
+            self.send(identity, protocol.ReadFailed.from_error(over.layer_idx, error))
+
+    def send(self, identity: bytes, message: protocol.Reply) -> RD2HError | None:
+        """Send a reply; the error if it could not be sent (it never blocks: see the channel)."""
+        try:
+            self._listener.send(identity, protocol.encode(message))
+        except RD2HError as exc:  # the peer is gone or unreachable
+            log.warning("rank %d: could not reply to %r: %s", self.rank, identity, exc)
+            return exc
+        return None
+
+    def _plan(
+        self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission
+    ) -> tuple[LayerPlan, list[RequestRead], dict[str, RD2HError]]:
+        """This rank's reads of the readable requests, their descriptors and the requests
+        that cannot be read; raises for a layer-wide mismatch."""
+        peer = self._peers[identity]  # admitted peers have a session
+        src = peer.layers.get(batch.layer_name)
+        dst = self._layers.get(batch.layer_name)
+        if src is None or dst is None:
+            side = "Prefill" if src is None else "Decode"
+            raise LayoutError(f"layer {batch.layer_name!r} unknown on {side}")
+        key, reads, refused = self._step_reads.reads(identity, batch, admission.readable, admission.requests)
+        plan = self._plans.build(
+            key, src, dst, reads, src_regions=peer.regions, dst_regions=self._regions, layer_name=batch.layer_name
+        )
+        return plan, reads, {**refused, **plan.failed}
+
+    def _read(self, identity: bytes, plan: LayerPlan, failed: dict[str, RD2HError]) -> float:
+        if not len(plan):
+            return 0.0
+        started = time.perf_counter()
+        try:
+            self._engine.read_batch(self._peers[identity].session, plan.local, plan.remote, plan.lengths)
+        except RD2HError as exc:
+            failed.update({e: exc for e in plan.requests})
+            return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.counters.bytes_read += plan.nbytes
+        self.counters.layers_read += 1
+        self.counters.read_seconds += seconds
+        return seconds
+
+    def _answer(
+        self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission, failures: Mapping[str, RD2HError]
+    ) -> None:
+        """Reply (under the tracker's lock, so no outcome of this readiness is collected
+        before its reply is known to be sent); a reply that cannot be sent fails on Decode
+        what Prefill will fail for want of it, so the two sides agree."""
+        lost = self._reply(identity, batch, failures)
+        if lost is not None:
+            hit = self._tracker.reply_lost(admission, lost, self._clock())
+            if hit:
+                log.warning("rank %d: reply lost, failed %d request(s) Prefill will fail too", self.rank, len(hit))
+        self._changed.notify_all()
+
+    def _reply(
+        self, identity: bytes, batch: protocol.ReadReadyBatch, failures: Mapping[str, RD2HError]
+    ) -> RD2HError | None:
+        if not failures:
+            return self.send(identity, protocol.ReadDone(batch.layer_idx))
+        log.warning(
+            "rank %d: layer %d failed for %d request(s): %s",
+            self.rank, batch.layer_idx, len(failures), summarize(failures),
+        )  # fmt: skip
+        return self.send(identity, failed_reply(batch.layer_idx, failures))

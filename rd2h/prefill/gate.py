@@ -1,0 +1,81 @@
+"""The storage-slot gate: :class:`~rd2h.prefill.slots.SlotTable` behind one Condition, so the compute
+path can wait for a slot while the sender thread reports replies (runtime, not pure: threads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable, Iterable
+
+from rd2h.errors import ConfigError
+from rd2h.prefill.slots import LayerState, SlotState, SlotTable
+
+__all__ = ["SlotGate"]
+
+
+class SlotGate:
+    """:class:`SlotTable` made safe across threads: the compute path ``wait``s, the
+    background sender reports ``sent``/``replied``/``fail_layer``."""
+
+    def __init__(self) -> None:
+        self._table = SlotTable()
+        self._cond = threading.Condition()
+
+    def claim(self, layer_idx: int, slots: Iterable[Hashable]) -> None:
+        with self._cond:
+            self._table.claim(layer_idx, slots)
+
+    def sent(self, layer_idx: int, endpoints: Iterable[Hashable]) -> bool:
+        with self._cond:
+            return self._notify(self._table.sent(layer_idx, endpoints))
+
+    def replied(self, layer_idx: int, endpoint: Hashable, error: str | None = None) -> bool:
+        with self._cond:
+            return self._notify(self._table.replied(layer_idx, endpoint, error))
+
+    def fail_layer(self, layer_idx: int, error: str) -> bool:
+        with self._cond:
+            return self._notify(self._table.fail_layer(layer_idx, error))
+
+    def wait(self, slots: Iterable[Hashable], timeout: float) -> None:
+        """Block until every slot is FREE.
+
+        Raises LayerFailedError if a layer that held one of them failed (each failure
+        reaches one waiter), GateTimeout after ``timeout`` seconds (0 polls once).
+        """
+        if not timeout >= 0:
+            raise ConfigError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        keys = tuple(slots)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._table.check(keys):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._table.timeout_error(keys, timeout)
+                self._cond.wait(remaining)
+
+    def state(self, slot: Hashable) -> SlotState:
+        with self._cond:
+            return self._table.state(slot)
+
+    def owner(self, slot: Hashable) -> int | None:
+        with self._cond:
+            return self._table.owner(slot)
+
+    def layer_state(self, layer_idx: int) -> LayerState:
+        with self._cond:
+            return self._table.layer_state(layer_idx)
+
+    def pending(self, layer_idx: int) -> frozenset[Hashable]:
+        with self._cond:
+            return self._table.pending(layer_idx)
+
+    @property
+    def stray_replies(self) -> int:
+        with self._cond:
+            return self._table.stray_replies
+
+    def _notify(self, released: bool) -> bool:
+        if released:
+            self._cond.notify_all()
+        return released

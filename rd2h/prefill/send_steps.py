@@ -1,0 +1,104 @@
+"""What a Prefill step announces: request records and per-endpoint announcements (pure).
+
+A step is cut once by the send tracker's ``schedule``; its announcement to each Decode
+endpoint (read requests packed once for every layer, final ids, and the per-request
+counters a layer's readiness moves) is built by :func:`build_step`, and built again when a
+request drops out of it (failed or aborted) before its remaining layers go out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from rd2h.errors import ConfigError, RD2HError
+from rd2h.layout.chunking import GroupChunks
+from rd2h.prefill.send_states import ANNOUNCED, RequestState
+from rd2h.wire import protocol
+
+__all__ = ["Ids", "RequestRecord", "Announcement", "Step", "build_step", "block_ids"]
+
+Ids = npt.NDArray[np.int64]
+
+
+@dataclass(eq=False, slots=True)
+class RequestRecord:
+    """One request instance: its endpoints, groups, block ids and state."""
+
+    ext_id: str
+    slot: int  # index into the tracker's per-request counters
+    addresses: tuple[str, ...]
+    member: int
+    ratio: int
+    main: GroupChunks
+    indexer: GroupChunks
+    main_ids: Ids
+    indexer_ids: Ids | None  # None: the indexer uses the main block ids
+    started: float
+    computed: int = 0
+    state: RequestState = RequestState.ACTIVE
+    error: RD2HError | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Announcement:
+    """What one endpoint is told, for every layer of one step."""
+
+    member: int
+    ratio: int
+    requests: list[RequestRecord] = field(default_factory=list)
+    reads: list[protocol.ReadRequest] = field(default_factory=list)
+    done: list[str] = field(default_factory=list)
+    packed: bytes = b""
+    slots: Ids = field(default_factory=lambda: np.zeros(0, np.int64))
+    main_blocks: Ids = field(default_factory=lambda: np.zeros(0, np.int64))  # 0 where counted already
+    indexer_blocks: Ids = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+@dataclass(eq=False, slots=True)
+class Step:
+    """One prefill step as ``schedule`` cut it; ``announce`` sends it layer by layer.
+
+    Opaque to callers. Requests that fail or are aborted meanwhile drop out of it."""
+
+    entries: list[tuple[RequestRecord, protocol.ReadRequest, bool]]
+    epoch: int = -1
+    by_address: dict[str, Announcement] = field(default_factory=dict)
+    finals: list[RequestRecord] = field(default_factory=list)
+
+
+def block_ids(values: object, what: str) -> Ids:
+    ids = np.asarray(values).reshape(-1)
+    if ids.size == 0:
+        return np.zeros(0, np.int64)
+    if ids.dtype.kind not in "iu" or (ids < 0).any():
+        raise ConfigError(f"{what} must be non-negative integers")
+    return ids.astype(np.int64, copy=False)
+
+
+def build_step(step: Step, epoch: int) -> None:
+    """(Re)build ``step``'s announcements from its requests still announced."""
+    step.epoch = epoch
+    step.by_address, step.finals = {}, []
+    counted: set[int] = set()  # bytes are counted at one endpoint per request
+    for request, read, final in step.entries:
+        if request.state not in ANNOUNCED:
+            continue
+        if final:
+            step.finals.append(request)
+        for address in request.addresses:
+            ann = step.by_address.setdefault(address, Announcement(request.member, request.ratio))
+            ann.requests.append(request)
+            ann.reads.append(read)
+            if final:
+                ann.done.append(request.ext_id)
+    for ann in step.by_address.values():
+        n = len(ann.requests)
+        ann.packed = protocol.pack_read_reqs(ann.reads)
+        ann.slots = np.fromiter((r.slot for r in ann.requests), np.int64, n)
+        fresh = np.fromiter((r.slot not in counted for r in ann.requests), bool, n)
+        counted.update(r.slot for r in ann.requests)
+        ann.main_blocks = np.fromiter((len(r.main_block_ids) for r in ann.reads), np.int64, n) * fresh
+        ann.indexer_blocks = np.fromiter((len(r.indexer_block_ids) for r in ann.reads), np.int64, n) * fresh

@@ -1,0 +1,575 @@
+"""The Prefill send tracker: per request and per Decode endpoint, what was announced, what
+is still unanswered, and how each request ends (pure: no threads, no I/O, no clock reads).
+
+:class:`~rd2h.prefill.source.Source` feeds it local calls (requests, steps, layers) and remote
+input (reply frames, silence) and carries out what it returns (frames to send, slots to
+release, connections to drop). Every call that can end a request takes ``now``.
+
+Its states and transition tables are drawn in :mod:`rd2h.prefill.send_states`: a request is
+ACTIVE, then FINAL, FAILING or ABORTING, and settles DONE, FAILED or ABORTED once no
+readiness naming it is unanswered; each is reported exactly once, as an
+:class:`~rd2h.outcome.Outcome` handed out once (``take``/``collect``), and then no state of
+it is left. In-flight readiness names request *instances*, never ids, so a late reply about
+an earlier request can never touch a later one with the same id. What a step announces is
+built in :mod:`rd2h.prefill.send_steps`.
+
+Remote input never raises: malformed frames, replies for layers not in flight or from
+unknown endpoints, READ_FAILED naming requests that are not there are counted in
+:attr:`SendTracker.counters` and otherwise ignored; a failure becomes the outcome of the
+requests it names (never of a slot or of the next request).
+
+Each settled request is told to its Decode endpoints (``take_notices``): DONE confirms what
+Decode read (Decode reports DONE only then, so the two sides agree), FAILED and ABORTED
+let Decode fail the request at once instead of at its deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rd2h.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    LayerFailedError,
+    RD2HError,
+    ReplyTimeout,
+    StateError,
+    UnknownRequestError,
+    wire_kind,
+)
+from rd2h.layout.chunking import Chunk, GroupChunks
+from rd2h.layout.topology import Topology
+from rd2h.outcome import Outcome, OutcomeBook, TerminalState
+from rd2h.prefill.send_states import (
+    ANNOUNCED,
+    DRAINING,
+    ENDPOINT_TRANSITIONS,
+    NEEDS_META,
+    REQUEST_TRANSITIONS,
+    STALE,
+    TERMINAL,
+    EndpointEvent,
+    EndpointState,
+    RequestEvent,
+    RequestState,
+)
+from rd2h.prefill.send_steps import Ids, RequestRecord, Step, block_ids, build_step
+from rd2h.statemachine import step as _step
+from rd2h.wire import protocol
+from rd2h.wire.endpoint import DecodeEndpoint
+
+__all__ = ["RequestState", "EndpointState", "Step", "Effects", "SendTracker"]
+
+_RE, _EE = RequestEvent, EndpointEvent
+
+
+@dataclass(eq=False, slots=True)
+class _Sent:
+    """A readiness awaiting its reply from one endpoint."""
+
+    layer_idx: int
+    frame: bytes
+    slots: Ids
+    requests: list[RequestRecord]
+    at: float
+    resent: bool = False  # repeated once after META_REQUIRED
+
+
+@dataclass(eq=False, slots=True)
+class _Endpoint:
+    state: EndpointState = EndpointState.NEW
+    in_flight: dict[int, _Sent] = field(default_factory=dict)  # oldest first
+    unacked: int = 0  # mf_meta frames sent (since it was last revived) and not yet acknowledged
+
+
+@dataclass(slots=True)
+class Effects:
+    """What the caller must do: send ``sends`` in order (``(address, layer_idx, frame)``: an
+    mf_meta is listed with the layer of the readiness it precedes; if a send raises, report
+    ``send_failed`` for that address and layer and skip its remaining frames), drop
+    ``disconnects``, and release the slot gate for each ``(layer_idx, address)`` in
+    ``released`` (readiness answered, or no longer awaited)."""
+
+    sends: list[tuple[str, int, bytes]] = field(default_factory=list)
+    released: list[tuple[int, str]] = field(default_factory=list)
+    disconnects: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Notices:
+    """How requests ended, not yet told to one endpoint."""
+
+    done: list[str] = field(default_factory=list)
+    failed: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (error, kind) -> ids
+
+
+class SendTracker:
+    """Every request and Decode endpoint of one Prefill TP rank.
+
+    ``layer_block_bytes[i]`` is ``(main, indexer)`` bytes per block of layer ``i`` (for
+    :attr:`Outcome.nbytes <rd2h.outcome.Outcome.nbytes>`); ``last_layer`` is the layer
+    whose readiness carries ``done_ext_ids``. Raises ConfigError on bad arguments.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        tp_size: int,
+        meta_frame: bytes,
+        layer_block_bytes: Sequence[tuple[int, int]],
+        last_layer: int,
+        block_size: int,
+        indexer_block_size: int | None = None,
+        reply_timeout: float = 30.0,
+    ) -> None:
+        if not 0 <= rank < tp_size:
+            raise ConfigError(f"rank {rank} outside 0..{tp_size - 1}")
+        if not 0 <= last_layer < len(layer_block_bytes):
+            raise ConfigError(f"last_layer {last_layer} outside 0..{len(layer_block_bytes) - 1}")
+        indexer_block_size = block_size if indexer_block_size is None else indexer_block_size
+        if block_size <= 0 or indexer_block_size <= 0:
+            raise ConfigError(f"block sizes must be positive, got {block_size} and {indexer_block_size}")
+        if not reply_timeout > 0:
+            raise ConfigError(f"reply_timeout must be positive, got {reply_timeout!r}")
+        self._rank, self._tp_size = rank, tp_size
+        self._meta = meta_frame
+        self._layer_bytes = np.asarray(layer_block_bytes, np.int64).reshape(-1, 2)
+        self._last = last_layer
+        self._block_size, self._indexer_block_size = block_size, indexer_block_size
+        self._reply_timeout = reply_timeout
+        self._requests: dict[str, RequestRecord] = {}
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._book = OutcomeBook()
+        self._epoch = 0  # bumped whenever a request drops out of the announced ones
+        # per-request counters by slot, so a layer's sends and replies cost no loop per request
+        self._unanswered = np.zeros(16, np.int64)
+        self._nbytes = np.zeros(16, np.int64)
+        self._draining = np.zeros(16, bool)
+        self._owner: dict[int, RequestRecord] = {}
+        self._free = list(range(15, -1, -1))
+        self._notices: dict[str, _Notices] = {}
+        self.counters = {"stray": 0, "stale": 0, "malformed": 0, "unknown_failed_ids": 0, "acks": 0}
+
+    # -- local calls -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        ext_id: str,
+        decode: DecodeEndpoint,
+        *,
+        main_block_ids: Iterable[int] = (),
+        indexer_block_ids: Iterable[int] | None = None,
+        num_tokens: int,
+        first_block: int = 0,
+        now: float,
+    ) -> None:
+        """Track a request to be pulled by ``decode``. Block ids are the request's block
+        table from position 0 (they may come later, by ``extend``); ``first_block`` main
+        blocks (and the indexer blocks wholly inside them) Decode holds already.
+
+        Raises DuplicateRequestError while the id is tracked or its outcome not collected
+        (the live request is untouched), ConfigError/TopologyError on bad arguments.
+        """
+        if not isinstance(ext_id, str):
+            raise ConfigError(f"request ids are str, got {type(ext_id).__name__}")
+        if ext_id in self._requests or ext_id in self._book:
+            raise DuplicateRequestError(f"request {ext_id!r} is already tracked (or its outcome not collected)")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise ConfigError(f"request {ext_id!r}: num_tokens must be an int, got {num_tokens!r}")
+        if isinstance(first_block, bool) or not isinstance(first_block, int):
+            raise ConfigError(f"request {ext_id!r}: first_block must be an int, got {first_block!r}")
+        if indexer_block_ids is None and self._indexer_block_size != self._block_size:
+            raise ConfigError(f"request {ext_id!r}: indexer blocks hold other tokens than main ones; give their ids")
+        topology = Topology(self._tp_size, decode.tp_size)
+        addresses = tuple(decode.address(d) for d in topology.decode_ranks_of(self._rank))
+        main = GroupChunks(self._block_size, num_tokens, first_block)
+        indexer = GroupChunks(
+            self._indexer_block_size, num_tokens, first_block * self._block_size // self._indexer_block_size
+        )
+        main_ids = block_ids(main_block_ids, "main_block_ids")
+        indexer_ids = None if indexer_block_ids is None else block_ids(indexer_block_ids, "indexer_block_ids")
+        for address in addresses:
+            endpoint = self._endpoints.setdefault(address, _Endpoint())
+            if endpoint.state is EndpointState.SILENT:
+                endpoint.unacked = 0  # an mf_meta the silent Decode never acknowledged is not waited for
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.REVIVE, address)
+        request = RequestRecord(
+            ext_id, self._take_slot(), addresses, topology.member_of(self._rank), topology.ratio,
+            main, indexer, main_ids, indexer_ids, now,
+        )
+        self._requests[ext_id] = self._owner[request.slot] = request
+
+    def extend(self, ext_id: str, *, main_block_ids: Iterable[int] = (), indexer_block_ids: Iterable[int] = ()) -> None:
+        """Append source block ids (chunked prefill learns them step by step).
+
+        Ignored for a request that already failed or ended. Raises UnknownRequestError for
+        an id never added (or already collected), ConfigError for bad ids or indexer ids
+        for a request whose indexer uses the main ids.
+        """
+        request = self._requests.get(ext_id)
+        if request is None:
+            if ext_id in self._book:
+                return
+            raise UnknownRequestError(f"request {ext_id!r} is not tracked")
+        main = block_ids(main_block_ids, "main_block_ids")
+        indexer = block_ids(indexer_block_ids, "indexer_block_ids")
+        if request.indexer_ids is None and indexer.size:
+            raise ConfigError(f"request {ext_id!r} was added without indexer ids: its indexer uses the main ids")
+        if request.state is not RequestState.ACTIVE:
+            return
+        request.main_ids = np.concatenate((request.main_ids, main))
+        if request.indexer_ids is not None:
+            request.indexer_ids = np.concatenate((request.indexer_ids, indexer))
+
+    def schedule(self, computed_tokens: Mapping[str, int], now: float) -> tuple[Step, dict[str, RD2HError]]:
+        """Cut a prefill step: after it each request has this many prompt tokens cached.
+
+        Never fails the step. Returns it with the per-request problems: an id not tracked
+        (UnknownRequestError; nothing else happens), a request no longer announced or whose
+        final chunk was scheduled already (StateError; nothing else happens), or one whose
+        tokens are bad or whose block ids do not reach what is to be announced (ConfigError;
+        that request is failed, the others go on).
+        """
+        problems: dict[str, RD2HError] = {}
+        entries: list[tuple[RequestRecord, protocol.ReadRequest, bool]] = []
+        placed: dict[str, tuple[int, int]] = {}  # address -> (member, ratio) of this step
+        for ext_id, tokens in computed_tokens.items():
+            request = self._requests.get(ext_id)
+            if request is None:
+                problems[ext_id] = UnknownRequestError(f"request {ext_id!r} is not tracked (never added, or ended)")
+                continue
+            if request.state is not RequestState.ACTIVE:
+                problems[ext_id] = StateError(f"request {ext_id!r} is {request.state.name}: not announced any more")
+                continue
+            if request.main.final_sent:  # a repeated final step announces nothing; not the request's fault
+                problems[ext_id] = StateError(f"request {ext_id!r}: its final chunk was scheduled already")
+                continue
+            try:
+                main, indexer = self._cut(request, tokens, placed)
+            except ConfigError as exc:
+                problems[ext_id] = exc
+                self._decide(request, _RE.FAIL, exc, now)
+                continue
+            request.main.commit(main)
+            request.indexer.commit(indexer)
+            request.computed = tokens
+            main_ids = request.main_ids[main.lo : main.hi]
+            indexer_ids = main_ids if request.indexer_ids is None else request.indexer_ids[indexer.lo : indexer.hi]
+            read = protocol.ReadRequest(ext_id, main_ids, indexer_ids, main.lo, indexer.lo)
+            entries.append((request, read, main.final))
+            for address in request.addresses:
+                placed[address] = (request.member, request.ratio)
+        step = Step(entries)
+        build_step(step, self._epoch)
+        return step, problems
+
+    def announce(self, step: Step, layer_idx: int, layer_name: str, now: float) -> tuple[tuple[str, ...], Effects]:
+        """Layer ``layer_idx`` of ``step`` is written: the endpoints told and the frames to send.
+
+        Raises ConfigError for a layer outside the layers, StateError if a readiness for
+        this layer is still unanswered by one of the endpoints (wait for its slots first).
+        """
+        if not 0 <= layer_idx < len(self._layer_bytes):
+            raise ConfigError(f"layer {layer_idx} outside 0..{len(self._layer_bytes) - 1}")
+        if step.epoch != self._epoch:
+            build_step(step, self._epoch)
+        targets = [(a, ann) for a, ann in step.by_address.items() if ann.requests]
+        for address, _ in targets:
+            if layer_idx in self._endpoints[address].in_flight:
+                raise StateError(f"layer {layer_idx} is still unanswered by {address}")
+        last = layer_idx == self._last
+        main_bytes, indexer_bytes = self._layer_bytes[layer_idx]
+        effects = Effects()
+        for address, ann in targets:
+            endpoint = self._endpoints[address]
+            # a SILENT endpoint is named by no announced request (they failed when it fell silent)
+            if endpoint.state in NEEDS_META:
+                effects.sends.append((address, layer_idx, self._meta))
+                endpoint.unacked += 1
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
+            frame = protocol.encode_readiness(
+                layer_idx, layer_name, ann.packed, ann.done if last else (), ann.member, ann.ratio
+            )
+            effects.sends.append((address, layer_idx, frame))
+            endpoint.in_flight[layer_idx] = _Sent(layer_idx, frame, ann.slots, ann.requests, now)
+            self._unanswered[ann.slots] += 1
+            self._nbytes[ann.slots] += ann.main_blocks * main_bytes + ann.indexer_blocks * indexer_bytes
+        if last:
+            for request in step.finals:
+                if request.state is RequestState.ACTIVE:
+                    self._decide(request, _RE.FINAL_SENT, None, now)
+        return tuple(a for a, _ in targets), effects
+
+    def layer_unsent(self, step: Step, layer_name: str, error: BaseException, now: float) -> None:
+        """The layer could not be announced (its event failed): fail the step's requests."""
+        failure = LayerFailedError(f"layer {layer_name!r} could not be announced: {error}")
+        for request, _, _ in step.entries:
+            if request.state in ANNOUNCED:
+                self._decide(request, _RE.FAIL, failure, now)
+
+    def abort(self, ext_id: str, now: float) -> bool:
+        """The caller gives up on ``ext_id``: it is announced no more and ends ABORTED once no
+        readiness naming it is unanswered (or keeps the failure it already had).
+
+        False, and nothing recorded, for an id that is not live (never added, or already
+        ended: its outcome stands), as the Decode side's ``abort`` does.
+        """
+        request = self._requests.get(ext_id)
+        if request is None:
+            return False
+        self._decide(request, _RE.ABORT, None, now)
+        return True
+
+    def take(self) -> dict[str, Outcome]:
+        """Every outcome settled since the last ``take``/``collect``, consumed."""
+        return self._book.take()
+
+    def collect(self, ext_ids: Sequence[str]) -> dict[str, Outcome] | None:
+        """The outcomes of ``ext_ids``, consumed, once all are settled; else None (nothing
+        consumed). Raises UnknownRequestError for an id neither tracked nor settled."""
+        unknown = [e for e in ext_ids if e not in self._requests and e not in self._book]
+        if unknown:
+            raise UnknownRequestError(f"requests not tracked (never added, or already collected): {unknown[:5]}")
+        if not self._book.has_all(ext_ids):
+            return None
+        return self._book.pop(ext_ids)
+
+    def settled(self) -> int:
+        """Outcomes settled and not yet collected."""
+        return len(self._book)
+
+    def unsettled(self, ext_ids: Iterable[str]) -> list[str]:
+        return [e for e in ext_ids if e in self._requests]
+
+    def take_notices(self) -> list[tuple[str, bytes]]:
+        """``(address, frame)`` to send, no reply expected: how the requests settled since the
+        last call ended, for each endpoint that heard of them (consumed). A frame that cannot
+        be sent is lost: Decode then fails the request at its deadline."""
+        frames = []
+        for address, notices in self._notices.items():
+            if notices.done:
+                frames.append((address, protocol.encode(protocol.Settled(tuple(notices.done)))))
+            for (error, kind), ids in notices.failed.items():
+                frames.append((address, protocol.encode(protocol.Settled((), tuple(ids), error, kind))))
+        self._notices.clear()
+        return frames
+
+    # -- remote input and time -------------------------------------------------------------
+
+    def on_reply(self, address: str, frame: bytes, now: float) -> Effects:
+        """A frame from ``address``. Never raises."""
+        effects = Effects()
+        try:
+            reply = protocol.decode_reply(frame)
+        except Exception:  # any bytes a peer sends: counted, never raised
+            self.counters["malformed"] += 1
+            return effects
+        endpoint = self._endpoints.get(address)
+        if isinstance(reply, protocol.Ack):
+            self.counters["acks"] += 1
+            if endpoint is not None and endpoint.unacked:
+                endpoint.unacked -= 1
+                if endpoint.unacked == 0 and endpoint.state is EndpointState.REINTRODUCED:
+                    endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.ACKED, address)
+            return effects
+        if endpoint is not None and endpoint.state in STALE:
+            self.counters["stale"] += 1
+            return effects
+        sent = None if endpoint is None else endpoint.in_flight.get(reply.layer_idx)
+        if endpoint is None or sent is None:
+            self.counters["stray"] += 1
+            return effects
+        if isinstance(reply, protocol.ReadFailed) and reply.needs_meta:
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.META_REQUIRED, address)
+            if not sent.resent:  # a restarted Decode read nothing: introduce ourselves, repeat once
+                sent.resent = True
+                endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
+                endpoint.unacked += 1
+                effects.sends += [(address, sent.layer_idx, self._meta), (address, sent.layer_idx, sent.frame)]
+                return effects
+        del endpoint.in_flight[reply.layer_idx]
+        if isinstance(reply, protocol.ReadFailed):
+            self._fail_named(sent, reply, _reply_error(reply, address), now)
+        self._answered(sent, now)
+        effects.released.append((sent.layer_idx, address))
+        return effects
+
+    def send_failed(self, address: str, layer_idx: int, error: BaseException, now: float) -> Effects:
+        """Sending to ``address`` for ``layer_idx`` raised: that endpoint missed the layer."""
+        effects = Effects()
+        endpoint = self._endpoints.get(address)
+        sent = None if endpoint is None else endpoint.in_flight.pop(layer_idx, None)
+        if endpoint is None or sent is None:
+            return effects
+        endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND_FAILED, address)
+        failure = error if isinstance(error, RD2HError) else LayerFailedError(str(error))
+        for request in sent.requests:
+            self._decide(request, _RE.FAIL, failure, now)
+        self._answered(sent, now)
+        effects.released.append((layer_idx, address))
+        return effects
+
+    def expire(self, now: float) -> Effects:
+        """Abandon every endpoint whose oldest readiness went unanswered past reply_timeout."""
+        effects = Effects()
+        for address, endpoint in self._endpoints.items():
+            if not endpoint.in_flight:
+                continue
+            oldest = next(iter(endpoint.in_flight.values()))
+            if now - oldest.at <= self._reply_timeout:
+                continue
+            error = ReplyTimeout(f"Decode {address} did not reply within {self._reply_timeout:g} s")
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.TIMEOUT, address)
+            effects.disconnects.append(address)
+            records, endpoint.in_flight = list(endpoint.in_flight.values()), {}
+            for request in list(self._requests.values()):
+                if address in request.addresses and request.state in ANNOUNCED:
+                    self._decide(request, _RE.FAIL, error, now)
+            for sent in records:
+                self._answered(sent, now)
+                effects.released.append((sent.layer_idx, address))
+        return effects
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def request_state(self, ext_id: str) -> RequestState | None:
+        """The state of a tracked request; None when not tracked (or already settled)."""
+        request = self._requests.get(ext_id)
+        return None if request is None else request.state
+
+    def unanswered(self, ext_id: str) -> int:
+        """Readiness naming the tracked request ``ext_id`` that no endpoint answered yet."""
+        request = self._requests.get(ext_id)
+        return 0 if request is None else int(self._unanswered[request.slot])
+
+    def endpoint_state(self, address: str) -> EndpointState | None:
+        endpoint = self._endpoints.get(address)
+        return None if endpoint is None else endpoint.state
+
+    def in_flight(self, address: str) -> frozenset[int]:
+        """Layers whose readiness ``address`` has not answered."""
+        endpoint = self._endpoints.get(address)
+        return frozenset() if endpoint is None else frozenset(endpoint.in_flight)
+
+    def live_ids(self) -> frozenset[str]:
+        return frozenset(self._requests)
+
+    def has_in_flight(self) -> bool:
+        return any(e.in_flight for e in self._endpoints.values())
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _cut(self, request: RequestRecord, tokens: object, placed: dict[str, tuple[int, int]]) -> tuple[Chunk, Chunk]:
+        """The request's next chunk per group; ConfigError for whatever makes it unsendable."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise ConfigError(f"request {request.ext_id!r}: computed tokens must be an int, got {tokens!r}")
+        if tokens < request.computed:
+            raise ConfigError(f"request {request.ext_id!r}: computed tokens went back ({tokens} after {request.computed})")
+        try:
+            main, indexer = request.main.peek(tokens), request.indexer.peek(tokens)
+        except ConfigError as exc:
+            raise ConfigError(f"request {request.ext_id!r}: {exc}") from None
+        indexer_count = len(request.main_ids if request.indexer_ids is None else request.indexer_ids)
+        if len(request.main_ids) < main.hi or indexer_count < indexer.hi:
+            raise ConfigError(
+                f"request {request.ext_id!r}: {tokens} tokens need {main.hi} main and {indexer.hi} indexer "
+                f"block ids, it has {len(request.main_ids)} and {indexer_count}"
+            )
+        for address in request.addresses:
+            if placed.get(address, (request.member, request.ratio)) != (request.member, request.ratio):
+                raise ConfigError(f"request {request.ext_id!r}: {address} is another Decode TP size in this step")
+        return main, indexer
+
+    def _fail_named(self, sent: _Sent, reply: protocol.ReadFailed, error: RD2HError, now: float) -> None:
+        if not reply.failed_ext_ids:
+            for request in sent.requests:
+                self._decide(request, _RE.FAIL, error, now)
+            return
+        named = {r.ext_id: r for r in sent.requests}
+        for ext_id in reply.failed_ext_ids:
+            request = named.get(ext_id)
+            if request is None:
+                self.counters["unknown_failed_ids"] += 1
+            else:
+                self._decide(request, _RE.FAIL, error, now)
+
+    def _answered(self, sent: _Sent, now: float) -> None:
+        self._unanswered[sent.slots] -= 1
+        quiet = sent.slots[self._draining[sent.slots] & (self._unanswered[sent.slots] == 0)]
+        for slot in quiet.tolist():  # usually none: only requests that await their last replies
+            self._settle(self._owner[slot], now)
+
+    def _decide(self, request: RequestRecord, event: RequestEvent, error: RD2HError | None, now: float) -> None:
+        self._move(request, event)
+        if error is not None and request.error is None:
+            request.error = error
+        if request.state in DRAINING:
+            self._draining[request.slot] = True
+            if self._unanswered[request.slot] == 0:
+                self._settle(request, now)
+
+    def _move(self, request: RequestRecord, event: RequestEvent) -> None:
+        before = request.state
+        request.state = _step(REQUEST_TRANSITIONS, before, event, f"request {request.ext_id!r}")
+        if before in ANNOUNCED and request.state not in ANNOUNCED:
+            self._epoch += 1  # steps holding it rebuild their announcements without it
+
+    def _settle(self, request: RequestRecord, now: float) -> None:
+        self._move(request, _RE.QUIET)
+        terminal = TERMINAL[request.state]
+        self._book.settle(
+            Outcome(
+                request.ext_id,
+                terminal,
+                request.error if terminal is TerminalState.FAILED else None,
+                int(self._nbytes[request.slot]),
+                request.started,
+                now,
+            )
+        )
+        self._notify(request, terminal)
+        del self._requests[request.ext_id]
+        del self._owner[request.slot]
+        self._nbytes[request.slot] = 0
+        self._draining[request.slot] = False
+        self._free.append(request.slot)
+
+    def _notify(self, request: RequestRecord, terminal: TerminalState) -> None:
+        """Queue the notice of how ``request`` ended for each of its endpoints that knows this
+        Prefill. A failure goes to a SILENT endpoint too, over a new connection: a Decode that
+        was only stopped still holds this Prefill's mf_meta (the identity is kept), and may
+        read the readiness queued before it stopped; told, it fails the request instead of
+        waiting for its deadline. A NEW endpoint never heard of this Prefill."""
+        if terminal is TerminalState.FAILED and request.error is not None:
+            key = (str(request.error), wire_kind(request.error))
+        else:
+            key = (f"request {request.ext_id!r} was aborted on Prefill", "StateError")
+        for address in request.addresses:
+            endpoint = self._endpoints.get(address)
+            if endpoint is None or endpoint.state is EndpointState.NEW:
+                continue
+            notices = self._notices.setdefault(address, _Notices())
+            if terminal is TerminalState.DONE:
+                notices.done.append(request.ext_id)  # every endpoint answered: all listening
+            else:
+                notices.failed.setdefault(key, []).append(request.ext_id)
+
+    def _take_slot(self) -> int:
+        if not self._free:
+            size = len(self._unanswered)
+            self._unanswered = np.concatenate((self._unanswered, np.zeros(size, np.int64)))
+            self._nbytes = np.concatenate((self._nbytes, np.zeros(size, np.int64)))
+            self._draining = np.concatenate((self._draining, np.zeros(size, bool)))
+            self._free = list(range(2 * size - 1, size - 1, -1))
+        return self._free.pop()
+
+
+def _reply_error(reply: protocol.ReadFailed, address: str) -> RD2HError:
+    """The failure Decode sent, as the rd2h error of its class, its message naming ``address``."""
+    error = reply.exception()
+    error.args = (f"{address}: {error}", *error.args[1:])
+    return error

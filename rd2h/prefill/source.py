@@ -1,0 +1,433 @@
+"""Prefill runtime: layer events -> readiness -> replies -> storage-slot gates.
+
+One :class:`Source` serves one Prefill TP rank. The compute path drives it:
+
+    source.add_request("req-1", endpoint, main_block_ids=[...], num_tokens=40)
+    source.schedule({"req-1": computed_tokens})      # a prefill step: which blocks are new
+    for layer in layers:
+        source.wait_for_layer_send(layer)             # before overwriting the layer's slots
+        ...write the layer's KV...
+        source.layer_ready(layer, event)              # announce (or queue until the event)
+    source.take_finished()                            # requests that ended, each once
+
+The source is a thin loop: every request and endpoint lives in a pure
+:class:`~rd2h.prefill.send_tracker.SendTracker`, the storage slots in a :class:`~rd2h.prefill.gate.SlotGate`.
+A background sender (owned by the source) waits for each layer's event, asks the tracker
+what to send, sends it, and feeds every reply back; a layer written without an event is
+announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``).
+A Decode endpoint that does not reply within ``reply_timeout`` (on the injectable
+``clock``) is abandoned: its slots are released and the requests it held fail with
+ReplyTimeout. Failures belong to the requests
+they hit: the compute path is never handed another request's error.
+
+Blocking calls (``wait_finished``, ``wait_for_layer_send``, ``close``) bound how long the
+caller's thread blocks in real time; protocol timeouts and outcome times use ``clock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rd2h.clock import Clock, monotonic
+from rd2h.errors import ConfigError, RD2HError, WaitTimeout
+from rd2h.interfaces import Dialer, TransferEngine
+from rd2h.layout.layers import LayerLayout
+from rd2h.layout.regions import merge_by_device
+from rd2h.outcome import Outcome
+from rd2h.prefill.gate import SlotGate
+from rd2h.prefill.send_tracker import Effects, SendTracker, Step
+from rd2h.wire import protocol
+from rd2h.wire.endpoint import DecodeEndpoint
+
+__all__ = ["DecodeEndpoint", "Source"]
+
+log = logging.getLogger("rd2h.prefill.source")
+
+
+class _Event(Protocol):
+    def synchronize(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Task:
+    layer_idx: int
+    layer_name: str
+    event: _Event | None
+    step: Step
+    queued: float = field(default_factory=time.monotonic)
+
+
+_STOP = object()
+_SLOW_SECONDS = 1.0  # a layer that waits longer for the sender thread is logged
+
+
+def _block_bytes(layout: LayerLayout) -> tuple[int, int]:
+    """Bytes per block of the layer's main group and of its indexer group (indexer + scale)."""
+    main = sum(t.block_bytes for t in layout.main)
+    indexer = sum(t.block_bytes for t in (layout.indexer, layout.scale) if t is not None)
+    return main, indexer
+
+
+class Source:
+    """The Prefill runtime of one TP rank.
+
+    ``layers`` maps every logical layer name, in layer order, to its source layout;
+    logical layers that reuse a physical buffer share its base addresses, and the slot
+    gate keys on those. ``block_size`` is tokens per main block, ``indexer_block_size``
+    per indexer block (None: the same). The engine, dialer and sender thread belong to the
+    source. ``inline_announce``: a layer whose KV is written (``layer_ready`` without an
+    event) is announced on the calling thread when the dialer allows concurrent sends and
+    no earlier layer is queued; False sends everything from the sender thread. Raises
+    ConfigError on bad arguments.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        tp_size: int,
+        engine: TransferEngine,
+        dialer: Dialer,
+        layers: Mapping[str, LayerLayout],
+        block_size: int,
+        indexer_block_size: int | None = None,
+        last_layer: str | None = None,
+        reply_timeout: float = 30.0,
+        poll_seconds: float = 0.05,
+        inline_announce: bool = True,
+        clock: Clock = monotonic,
+    ) -> None:
+        if not layers:
+            raise ConfigError("a Source needs at least one layer")
+        if not 0 <= rank < tp_size:
+            raise ConfigError(f"rank {rank} outside 0..{tp_size - 1}")
+        self.rank, self.tp_size = rank, tp_size
+        self._engine, self._dialer, self._clock = engine, dialer, clock
+        self._layers = dict(layers)
+        self._index = {name: i for i, name in enumerate(self._layers)}
+        last = last_layer if last_layer is not None else next(reversed(self._layers))
+        if last not in self._index:
+            raise ConfigError(f"last_layer {last!r} is not one of the layers")
+        self._reply_timeout = reply_timeout
+        self._poll = poll_seconds
+        engine_meta = engine.register(merge_by_device(r for layout in self._layers.values() for r in layout.regions()))
+        meta_frame = protocol.encode(
+            protocol.MfMeta.from_layers(engine.session_id, self._layers, engine_metadata=engine_meta)
+        )
+        self._tracker = SendTracker(
+            rank=rank, tp_size=tp_size, meta_frame=meta_frame,
+            layer_block_bytes=[_block_bytes(layout) for layout in self._layers.values()],
+            last_layer=self._index[last], block_size=block_size, indexer_block_size=indexer_block_size,
+            reply_timeout=reply_timeout,
+        )
+        self._lock = threading.Condition()  # guards the tracker; notified when requests settle
+        self._gate = SlotGate()
+        self._step, _ = self._tracker.schedule({}, clock())
+        self._queue: queue.SimpleQueue[_Task | object] = queue.SimpleQueue()
+        self._inline = inline_announce and dialer.concurrent_send
+        self._order = threading.Lock()  # guards _queued: layers queued and not yet announced
+        self._queued = 0
+        self._thread: threading.Thread | None = None
+        self._claimed_at: dict[int, float] = {}
+        self.layer_seconds: deque[float] = deque(maxlen=1 << 16)  # layer_ready -> last reply
+
+    # -- compute path --------------------------------------------------------------------
+
+    def start(self) -> Source:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"rd2h-source-{self.rank}", daemon=True)
+            self._thread.start()
+        return self
+
+    def add_request(
+        self,
+        ext_id: str,
+        decode: DecodeEndpoint,
+        *,
+        main_block_ids: Sequence[int] = (),
+        indexer_block_ids: Sequence[int] | None = None,
+        num_tokens: int,
+        first_block: int = 0,
+    ) -> None:
+        """Track a request to be pulled by ``decode``.
+
+        Block ids are the request's block table in prompt order from position 0; they may be
+        partial or empty now and grow by :meth:`extend`. ``indexer_block_ids`` None: the
+        indexer uses the main ids. ``first_block`` main blocks are a prefix Decode holds
+        already: announcing starts there. Raises DuplicateRequestError if ``ext_id`` is
+        tracked or its outcome not yet taken (the live request is untouched), ConfigError /
+        TopologyError / PortError on bad arguments.
+        """
+        with self._lock:
+            self._tracker.add_request(
+                ext_id, decode, main_block_ids=main_block_ids, indexer_block_ids=indexer_block_ids,
+                num_tokens=num_tokens, first_block=first_block, now=self._clock(),
+            )
+
+    def extend(self, ext_id: str, *, main_block_ids: Sequence[int] = (), indexer_block_ids: Sequence[int] = ()) -> None:
+        """Append source block ids learnt in a later step. Ignored for a request that ended;
+        raises UnknownRequestError for an id never added, ConfigError for bad ids."""
+        with self._lock:
+            self._tracker.extend(ext_id, main_block_ids=main_block_ids, indexer_block_ids=indexer_block_ids)
+
+    def schedule(self, computed_tokens: Mapping[str, int]) -> dict[str, RD2HError]:
+        """Start a prefill step: after it, each request has this many prompt tokens cached.
+
+        Every following ``layer_ready`` announces, per request, the blocks that became
+        complete in this step (the final chunk includes its partial last block). Never
+        raises for one request: returns ``{ext_id: error}`` for ids that are not tracked
+        (UnknownRequestError), no longer announced (StateError), or cannot be announced
+        (ConfigError: bad tokens, missing block ids; such a request is failed).
+        """
+        with self._lock:
+            self._step, problems = self._tracker.schedule(computed_tokens, self._clock())
+            self._lock.notify_all()
+        if problems:
+            self._dialer.wakeup()  # a failed request's notice goes out from the sender thread
+        for ext_id, error in problems.items():
+            log.warning("Prefill rank %d: request %r not scheduled: %s", self.rank, ext_id, error)
+        return problems
+
+    def wait_for_layer_send(self, layer_name: str, timeout: float | None = None) -> None:
+        """Block until the layer's physical slots may be overwritten.
+
+        Raises GateTimeout if the slots are still busy after ``timeout`` seconds (default:
+        the reply timeout plus a margin), ConfigError for an unknown layer.
+        """
+        bound = self._reply_timeout + 5.0 if timeout is None else timeout
+        self._gate.wait(self._slots(layer_name), bound)
+
+    def layer_ready(self, layer_name: str, event: _Event | None = None) -> None:
+        """The layer's KV is written (or will be once ``event`` completes): announce it.
+
+        Raises ConfigError for an unknown layer, StateError if its slots are still busy
+        (``wait_for_layer_send`` first)."""
+        layer_idx = self._index_of(layer_name)
+        self._gate.claim(layer_idx, self._slots(layer_name))
+        self._claimed_at[layer_idx] = self._clock()
+        task = _Task(layer_idx, layer_name, event, self._step)
+        with self._order:
+            # Announce here when nothing is left to wait for: the KV is written (no event)
+            # and no earlier layer waits in the queue (layers go out in order). A hand-off to
+            # the sender thread and the wakeup back cost more than the announce itself.
+            inline = self._inline and event is None and self._queued == 0
+            if not inline:
+                self._queued += 1
+                self._queue.put(task)
+        if inline:
+            try:
+                self._announce(task)
+            except Exception:  # as on the sender thread: the compute path never gets a peer's error
+                log.exception("Prefill rank %d: error announcing layer %r", self.rank, layer_name)
+        else:
+            self._dialer.wakeup()
+
+    def send_all(self, computed_tokens: Mapping[str, int]) -> dict[str, RD2HError]:
+        """One step whose KV is already written for every layer: announce all layers.
+        Returns what ``schedule`` returned."""
+        problems = self.schedule(computed_tokens)
+        for name in self._layers:
+            self.wait_for_layer_send(name)
+            self.layer_ready(name)
+        return problems
+
+    def take_finished(self) -> dict[str, Outcome]:
+        """Every request that ended since the last call (DONE, FAILED or ABORTED), consumed."""
+        with self._lock:
+            return self._tracker.take()
+
+    def wait_finished(self, ext_ids: Sequence[str], timeout: float) -> dict[str, Outcome]:
+        """Block until every request in ``ext_ids`` ended; return their outcomes, consumed.
+
+        Raises UnknownRequestError at once for an id never added (or already taken),
+        WaitTimeout (a TimeoutError) naming the pending ids after ``timeout`` seconds;
+        nothing is consumed then.
+        """
+        ids = list(ext_ids)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while (found := self._tracker.collect(ids)) is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    pending = self._tracker.unsettled(ids)
+                    raise WaitTimeout(
+                        f"Prefill rank {self.rank}: {len(pending)} requests not finished after "
+                        f"{timeout:g} s: {pending[:5]}"
+                    )
+                self._lock.wait(remaining)
+        return found
+
+    def wait_any(self, timeout: float) -> bool:
+        """Block until some request ended and is not taken, ``timeout`` seconds at most;
+        whether one did. Consumes nothing."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._tracker.settled() > 0, timeout)
+
+    def abort(self, ext_id: str) -> bool:
+        """Give up on ``ext_id``: it is announced no more and reported ABORTED once no
+        Decode endpoint may still be reading its blocks (a request that already failed
+        stays FAILED). False, and nothing reported, for an id that is not live."""
+        with self._lock:
+            found = self._tracker.abort(ext_id, self._clock())
+            self._lock.notify_all()
+        if found:
+            self._dialer.wakeup()  # its notice goes out from the sender thread
+        return found
+
+    @property
+    def stray_replies(self) -> int:
+        """Replies that matched no readiness in flight: late, duplicate or unknown."""
+        with self._lock:
+            return self._tracker.counters["stray"]
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Remote input absorbed: stray replies, malformed frames, unknown failed ids, acks."""
+        with self._lock:
+            return dict(self._tracker.counters)
+
+    def close(self) -> None:
+        """Stop the sender once the queued layers are announced and answered (each bounded
+        by the reply timeout), then close the dialer and the engine. Idempotent."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._dialer.wakeup()
+            self._thread.join(self._reply_timeout * 2 + 5.0)
+            if self._thread.is_alive():
+                log.error("Prefill rank %d: sender did not stop; closing under it", self.rank)
+            self._thread = None
+        self._dialer.close()
+        self._engine.close()
+
+    def __enter__(self) -> Source:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _index_of(self, layer_name: str) -> int:
+        try:
+            return self._index[layer_name]
+        except KeyError:
+            raise ConfigError(f"unknown layer {layer_name!r}") from None
+
+    def _slots(self, layer_name: str) -> list[tuple[str, int]]:
+        self._index_of(layer_name)  # raises ConfigError for an unknown layer
+        layout = self._layers[layer_name]
+        slots = [("main", layout.main_slot)]
+        if layout.indexer_slot is not None:
+            slots.append(("indexer", layout.indexer_slot))
+        return slots
+
+    # -- sender thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                task = None
+            if task is _STOP:
+                self._drain_replies()
+                return
+            try:
+                if task is not None:
+                    try:
+                        self._announce(task)  # type: ignore[arg-type]
+                    finally:
+                        with self._order:
+                            self._queued -= 1
+                else:
+                    item = self._dialer.recv(self._poll)
+                    if item is not None:
+                        self._feed(self._tracker.on_reply, *item)
+                self._expire()
+            except Exception:  # the loop must outlive any one failure, or every wait times out
+                log.exception("Prefill rank %d: sender error", self.rank)
+
+    def _feed(self, call: Callable[..., Effects], *args: Any) -> Effects:
+        """Run one tracker call (``now`` last) under the lock, wake waiters, then carry out
+        its effects outside the lock."""
+        with self._lock:
+            effects = call(*args, self._clock())
+            notices = self._tracker.take_notices()
+            self._lock.notify_all()
+        self._carry_out(effects)
+        self._tell(notices)
+        return effects
+
+    def _announce(self, task: _Task) -> None:
+        waited = time.monotonic() - task.queued
+        if waited > _SLOW_SECONDS:
+            log.warning("Prefill rank %d: layer %r waited %.1f s to be announced", self.rank, task.layer_name, waited)
+        try:
+            if task.event is not None:
+                task.event.synchronize()
+            with self._lock:  # raises before it changes anything
+                endpoints, effects = self._tracker.announce(task.step, task.layer_idx, task.layer_name, self._clock())
+        except Exception as exc:  # nothing was announced: fail the step's requests, free the slots
+            log.error("Prefill rank %d: layer %r could not be announced: %s", self.rank, task.layer_name, exc)
+            with self._lock:
+                self._tracker.layer_unsent(task.step, task.layer_name, exc, self._clock())
+                self._lock.notify_all()
+            self._released(self._gate.sent(task.layer_idx, ()), task.layer_idx)
+            return
+        self._released(self._gate.sent(task.layer_idx, endpoints), task.layer_idx)
+        self._carry_out(effects)
+
+    def _carry_out(self, effects: Effects) -> None:
+        failed: set[str] = set()
+        for address, layer_idx, frame in effects.sends:
+            if address in failed:
+                continue
+            try:
+                self._dialer.send(address, frame)
+            except RD2HError as exc:  # this endpoint missed the layer; the others did not
+                failed.add(address)
+                log.error("Prefill rank %d: could not send to %s: %s", self.rank, address, exc)
+                self._feed(self._tracker.send_failed, address, layer_idx, exc)
+        for address in effects.disconnects:
+            self._dialer.disconnect(address)
+        for layer_idx, address in effects.released:
+            self._released(self._gate.replied(layer_idx, address), layer_idx)
+
+    def _tell(self, notices: list[tuple[str, bytes]]) -> None:
+        """Send how requests ended; nothing waits for these, so a failure is only logged
+        (Decode then fails the request at its deadline)."""
+        for address, frame in notices:
+            try:
+                self._dialer.send(address, frame)
+            except RD2HError as exc:
+                log.warning("Prefill rank %d: could not tell %s how requests ended: %s", self.rank, address, exc)
+
+    def _expire(self) -> None:
+        effects = self._feed(self._tracker.expire)
+        for address in effects.disconnects:
+            log.error(
+                "Prefill rank %d: Decode %s did not reply within %.1f s; abandoning it",
+                self.rank, address, self._reply_timeout,
+            )
+
+    def _released(self, released: bool, layer_idx: int) -> None:
+        claimed = self._claimed_at.pop(layer_idx, None) if released else None
+        if claimed is not None:
+            self.layer_seconds.append(self._clock() - claimed)
+
+    def _drain_replies(self) -> None:
+        """On close: wait (bounded) for the replies still owed, so Decode finishes its reads."""
+        deadline = time.monotonic() + self._reply_timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._tracker.has_in_flight():
+                    return
+            item = self._dialer.recv(self._poll)
+            if item is not None:
+                self._feed(self._tracker.on_reply, *item)
+            self._expire()
