@@ -3,6 +3,9 @@
 - ``MetadataEnvelope``: the blob ``register`` returns and ``connect`` parses, as a tagged,
   versioned msgpack array whose parsing raises ``TransferError`` naming the bad field;
 - ``check_read_arrays``: the argument checks ``read_batch`` owes its callers;
+- ``check_read``: the whole preamble of a ``read_batch`` over native sessions (the session is
+  this engine's, open and usable; the arrays are sound; both sides lie in registered regions),
+  and ``breaks_session_on_timeout``: a read that overran leaves its session refusing reads;
 - ``bounded_call``: a native call that cannot hang its caller;
 - ``goes_quiet``: whether a peer's TCP address stops answering (a dead peer, told apart from
   a failed transfer).
@@ -13,17 +16,22 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
 
 from rd2h.errors import RD2HError, TransferError, TransferTimeout
+from rd2h.layout.regions import RegionSet
 
-__all__ = ["MetadataEnvelope", "split_host_port", "check_read_arrays", "check_host_regions", "bounded_call", "answers_at", "goes_quiet"]
+__all__ = [
+    "MetadataEnvelope", "split_host_port", "check_read_arrays", "check_read", "breaks_session_on_timeout",
+    "check_host_regions", "bounded_call", "answers_at", "goes_quiet",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -123,6 +131,59 @@ def check_read_arrays(
     if positive_lengths and n and int(lengths.min()) <= 0:
         raise TransferError(f"every length must be > 0 (found {int(lengths.min())})")
     return n
+
+
+class NativeSession(Protocol):
+    """What :func:`check_read` needs of an engine's session."""
+
+    engine: object
+    peer_id: str
+    closed: bool
+    broken: str  # why the session refuses reads ("" while usable)
+    bounds: RegionSet  # the peer's registered regions
+
+
+def check_read(
+    engine: object,
+    session: object,
+    local_bounds: RegionSet,
+    local_addrs: npt.NDArray[np.int64],
+    remote_addrs: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+    *,
+    broken: type[RD2HError] = TransferTimeout,
+) -> int:
+    """The checks a ``read_batch`` makes before anything moves; the number of descriptors.
+
+    TransferError for a session of another engine, a closed session or bad arrays;
+    ``broken`` (the engine's choice: a timed-out native call, or a peer gone) for a session
+    that refuses reads; RegionError for a range outside the peer's registered regions or
+    this engine's (``local_bounds``). Engines whose native call checks neither side rely on
+    this: nothing is read outside what both sides registered.
+    """
+    if getattr(session, "engine", None) is not engine:
+        raise TransferError(f"not a session of this {getattr(engine, 'name', 'transfer')} engine: {session!r}")
+    native: NativeSession = session  # type: ignore[assignment]
+    if native.closed:
+        raise TransferError(f"the session to {native.peer_id} is closed")
+    if native.broken:
+        raise broken(f"the session to {native.peer_id} is unusable: {native.broken}; connect again")
+    n = check_read_arrays(local_addrs, remote_addrs, lengths)
+    if n:
+        native.bounds.check(remote_addrs, lengths, f"remote range from {native.peer_id}")
+        local_bounds.check(local_addrs, lengths, "local destination")
+    return n
+
+
+@contextmanager
+def breaks_session_on_timeout(session: object) -> Iterator[None]:
+    """A native read that timed out cannot be cancelled and may still write its destinations:
+    the session refuses every later read (``check_read`` raises) until the caller connects again."""
+    try:
+        yield
+    except TransferTimeout as exc:
+        session.broken = str(exc)  # type: ignore[attr-defined]
+        raise
 
 
 def split_host_port(address: str) -> tuple[str, int]:

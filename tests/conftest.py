@@ -5,8 +5,13 @@ from __future__ import annotations
 import random
 import socket
 import sys
+from pathlib import Path
 
 import pytest
+
+# the test-only vLLM connector (tests/kit/vllm/rd2h_test_connector.py), for the worker tests
+VLLM_KIT = Path(__file__).parent / "kit" / "vllm"
+sys.path.insert(0, str(VLLM_KIT))
 
 
 def _free(port: int) -> bool:

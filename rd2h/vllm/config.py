@@ -12,7 +12,6 @@ Every key is optional::
      "peer_tp": null}              # the other side's TP size, checked at startup where known
 
 Unknown keys are refused, so a misspelt option is an error at startup, not a silent default.
-Keys starting with ``_test_`` are test-only hooks (see ``rd2h.vllm.worker``).
 """
 
 from __future__ import annotations
@@ -47,8 +46,6 @@ class ConnectorConfig:
     metaserver: str | None = None
     metaserver_retries: int = 5
     peer_tp: int | None = None
-    test_corrupt: bool = False  # Decode: overwrite received blocks with noise (negative control)
-    test_hold_file: str | None = None  # Prefill: touch FILE.held, then hold the first send
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -57,13 +54,9 @@ class ConnectorConfig:
         names = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
-            name = key[1:] if key.startswith("_test_") else key
-            if name not in names or (name.startswith("test_") and not key.startswith("_")):
-                raise ConfigError(
-                    f"unknown kv_connector_extra_config key {key!r}; known: "
-                    + ", ".join(sorted(n for n in names if not n.startswith("test_")))
-                )
-            kwargs[name] = value
+            if key not in names:
+                raise ConfigError(f"unknown kv_connector_extra_config key {key!r}; known: " + ", ".join(sorted(names)))
+            kwargs[key] = value
         if "mode" in kwargs:
             try:
                 kwargs["mode"] = Mode(kwargs["mode"])

@@ -80,6 +80,8 @@ def _check_topology(config: ConnectorConfig, tp: int, use_mla: bool) -> None:
 class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Disaggregated Prefill/Decode by layer-wise pull. See ``docs/vllm.md``."""
 
+    worker_class: type[RD2HWorker] = RD2HWorker  # the worker role's state (a subclass may extend it)
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
@@ -101,7 +103,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self._worker = RD2HWorker(
+            self._worker = self.worker_class(
                 self.rd2h_config, consumer=consumer, producer=producer, rank=get_tensor_model_parallel_rank(),
                 tp_size=tp, dp_rank=dp_rank, block_sizes=sizes,
             )

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -111,7 +109,6 @@ class RD2HWorker:
         self._bound: StepMetadata | None = None
         self._sends = False  # this step announces layers
         self._recv_req: dict[str, str] = {}  # ext id -> req id (Decode)
-        self._recv_blocks: dict[str, tuple[int, tuple[int, ...]]] = {}  # for the corruption hook
         self._expected: dict[str, int] = {}  # expected in this step (reported back)
         self._send_req: dict[str, str] = {}  # ext id -> req id (Prefill)
         self._sent: dict[str, Outcome] = {}  # outcomes whose request vLLM has not finished yet
@@ -120,7 +117,6 @@ class RD2HWorker:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
-        self._held = False
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -179,14 +175,12 @@ class RD2HWorker:
                 self._finished_recving.add(spec.req_id)
                 self._recv_req.pop(spec.ext_id, None)
                 continue
-            self._recv_blocks[spec.ext_id] = (spec.first_block, spec.blocks[0])
             self._expected[spec.ext_id] = 1
         for ext_id in meta.recv_abort:
             self.sink.abort(ext_id)  # reported ABORTED through take(), once no read writes it
 
     def _apply_send(self, meta: StepMetadata) -> None:
         for spec in meta.send_new:
-            self._hold_for_test()
             self._send_req[spec.ext_id] = spec.req_id
             self.source.add_request(
                 spec.ext_id, DecodeEndpoint.parse(spec.endpoint), main_block_ids=spec.blocks[0],
@@ -236,15 +230,12 @@ class RD2HWorker:
         if self.sink is not None:
             for ext_id, outcome in self.sink.take().items():
                 req_id = self._recv_req.pop(ext_id, None)
-                where = self._recv_blocks.pop(ext_id, None)
                 if req_id is None:
                     continue
                 if not outcome.ok:
                     level = logging.INFO if outcome.state is TerminalState.ABORTED else logging.WARNING
                     log.log(level, "Decode rank %d: %s %s: %s", self.rank, ext_id, outcome.state.name, outcome.error)
                     self._failed_recving.add(req_id)
-                elif self.config.test_corrupt and where is not None:
-                    self._corrupt(*where)
                 self._finished_recving.add(req_id)
         if self.source is not None:
             for ext_id, outcome in self._take_sent().items():
@@ -292,25 +283,3 @@ class RD2HWorker:
             if runtime is not None:
                 runtime.close()
         self.source = self.sink = None
-
-    # -- test-only hooks (kv_connector_extra_config "_test_*") ----------------------------
-
-    def _corrupt(self, first_block: int, blocks: tuple[int, ...]) -> None:
-        """Negative control: replace what was received with noise, so a test that compares
-        tokens proves it depends on the transfer."""
-        import torch
-
-        ids = torch.tensor(blocks[first_block:], dtype=torch.long)
-        for layer in self._tensors.values():
-            for tensor in layer.main:
-                tensor[ids] = torch.randn(tensor[ids].shape, dtype=torch.float32).to(tensor.dtype)
-
-    def _hold_for_test(self) -> None:
-        """Kill test: say the first send is in hand, then hold it (the test kills us)."""
-        path = self.config.test_hold_file
-        if path is None or self._held:
-            return
-        self._held = True
-        with open(f"{path}.held", "w"):
-            pass
-        threading.Event().wait(float(os.environ.get("RD2H_TEST_HOLD_SECONDS", "120")))

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+VLLM_KIT = Path(__file__).resolve().parents[1] / "kit" / "vllm"  # the test-only connector
+
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -159,11 +161,25 @@ class Cluster:
         return f"http://127.0.0.1:{self.ports[role]}"
 
     def _engine(self, role: str, extra: dict[str, Any]) -> Process:
-        config = {
+        """``extra``'s ``_test_corrupt`` / ``_test_hold_file`` load the test-only connector
+        (tests/kit/vllm/rd2h_test_connector.py) with that hook on; the rest is rd2h's config."""
+        hooks = {key: value for key, value in extra.items() if key.startswith("_test_")}
+        config: dict[str, Any] = {
             "kv_connector": "RD2HConnector",  # found through the entry point alone
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_connector_extra_config": {"kv_port": self.kv_port, **STARVED_TIMEOUTS, **extra},
+            "kv_connector_extra_config": {
+                "kv_port": self.kv_port, **STARVED_TIMEOUTS, **{k: v for k, v in extra.items() if k not in hooks}
+            },
         }
+        hook_env = {}
+        if hooks:
+            config.update(kv_connector="RD2HTestConnector", kv_connector_module_path="rd2h_test_connector")
+            hook_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(VLLM_KIT), os.environ.get("PYTHONPATH")]))
+            if hooks.pop("_test_corrupt", False):
+                hook_env["RD2H_TEST_CORRUPT"] = "1"
+            if "_test_hold_file" in hooks:
+                hook_env["RD2H_TEST_HOLD_FILE"] = str(hooks.pop("_test_hold_file"))
+            assert not hooks, f"unknown test hooks {sorted(hooks)}"
         self.starts += 1
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
@@ -174,7 +190,7 @@ class Cluster:
         if self.tp[role] > 1:  # several workers on a small machine: no core pinning
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         self.running_tp[role] = self.tp[role]
-        return Process(role, argv, self.workdir / f"{role}-{self.starts}.log", {**env, **self.env})
+        return Process(role, argv, self.workdir / f"{role}-{self.starts}.log", {**env, **self.env, **hook_env})
 
     def ensure(self, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None,
                tp: Mapping[str, int] | None = None) -> None:

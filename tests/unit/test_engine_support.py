@@ -6,8 +6,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from rd2h.engine_support import MetadataEnvelope, check_read_arrays
-from rd2h.errors import TransferError
+from dataclasses import dataclass
+
+from rd2h.engine_support import MetadataEnvelope, breaks_session_on_timeout, check_read, check_read_arrays
+from rd2h.errors import PeerGoneError, RegionError, TransferError, TransferTimeout
+from rd2h.layout.regions import RegionSet
 
 ENV = MetadataEnvelope("toy", b"rd2h-toy", 3)
 
@@ -86,3 +89,51 @@ def test_goes_quiet_waits_out_a_listener_that_closes_a_moment_later() -> None:
     assert goes_quiet(address, within=5.0) is True
     closer.join()
     assert not answers_at(address, 1.0) and not answers_at("no-port", 1.0)
+
+
+@dataclass
+class _Session:
+    engine: object
+    peer_id: str = "peer"
+    closed: bool = False
+    broken: str = ""
+    bounds: RegionSet = RegionSet([(1 << 20, 4096)])
+
+
+def _arrays(local: int, remote: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.array([v], dtype=np.int64) for v in (local, remote, length))  # type: ignore[return-value]
+
+
+def test_check_read_refuses_what_no_engine_may_read_and_counts_what_it_may() -> None:
+    engine, other = object(), object()
+    local_bounds = RegionSet([(2 << 20, 4096)])
+    ok = _arrays(2 << 20, 1 << 20, 4096)
+    assert check_read(engine, _Session(engine), local_bounds, *ok) == 1
+    empty = tuple(np.zeros(0, dtype=np.int64) for _ in range(3))
+    assert check_read(engine, _Session(engine, bounds=RegionSet()), local_bounds, *empty) == 0  # nothing to check
+    with pytest.raises(TransferError, match="not a session of this"):
+        check_read(engine, _Session(other), local_bounds, *ok)
+    with pytest.raises(TransferError, match="closed"):
+        check_read(engine, _Session(engine, closed=True), local_bounds, *ok)
+    with pytest.raises(TransferTimeout, match="unusable: stuck"):
+        check_read(engine, _Session(engine, broken="stuck"), local_bounds, *ok)
+    with pytest.raises(PeerGoneError, match="unusable"):
+        check_read(engine, _Session(engine, broken="gone"), local_bounds, *ok, broken=PeerGoneError)
+    with pytest.raises(RegionError, match="remote range from peer"):
+        check_read(engine, _Session(engine), local_bounds, *_arrays(2 << 20, 1 << 20, 4097))
+    with pytest.raises(RegionError, match="local destination"):
+        check_read(engine, _Session(engine), local_bounds, *_arrays(3 << 20, 1 << 20, 16))
+
+
+def test_a_timed_out_read_leaves_its_session_refusing_reads() -> None:
+    engine = object()
+    session = _Session(engine)
+    with pytest.raises(TransferTimeout), breaks_session_on_timeout(session):
+        raise TransferTimeout("the native read did not return")
+    assert session.broken == "the native read did not return"
+    with pytest.raises(TransferTimeout, match="unusable"):
+        check_read(engine, session, RegionSet([(2 << 20, 4096)]), *_arrays(2 << 20, 1 << 20, 16))
+    other = _Session(engine)
+    with pytest.raises(TransferError), breaks_session_on_timeout(other):
+        raise TransferError("an ordinary failure")
+    assert other.broken == ""  # only a timeout breaks the session

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.engine_support import check_read_arrays
-from rd2h.errors import ConfigError, PeerGoneError, PortError, TransferError, TransferTimeout
+from rd2h.engine_support import breaks_session_on_timeout, check_read
+from rd2h.errors import ConfigError, PeerGoneError, PortError, TransferError
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.layout.regions import RegionSet
 from rd2h_memfabric import _metadata, _native
@@ -231,24 +231,12 @@ class MemFabricEngine(TransferEngine):
         and a closed engine or session.
         """
         self._check_open()
-        if not isinstance(session, MemFabricSession) or session.engine is not self:
-            raise TransferError(f"not a session of this memfabric engine: {session!r}")
-        if session.closed:
-            raise TransferError(f"the session to {session.peer_id} is closed")
-        if session.broken:
-            raise PeerGoneError(f"the session to {session.peer_id} is unusable: {session.broken}; connect again")
-        n = check_read_arrays(local_addrs, remote_addrs, lengths)
-        if n == 0:
-            return
         # memfabric checks neither side (it reads outside the peer's registrations and writes
-        # to unregistered local memory): both are checked here, before anything moves.
-        session.bounds.check(remote_addrs, lengths, f"remote range from {session.peer_id}")
-        self._bounds.check(local_addrs, lengths, "local destination")
-        try:
+        # to unregistered local memory): check_read checks both, before anything moves.
+        if check_read(self, session, self._bounds, local_addrs, remote_addrs, lengths, broken=PeerGoneError) == 0:
+            return
+        with breaks_session_on_timeout(session):
             self._native.read(session.peer_id, local_addrs.tolist(), remote_addrs.tolist(), lengths.tolist(), self.timeout)
-        except TransferTimeout as exc:
-            session.broken = str(exc)
-            raise
 
     # -- lifetime -----------------------------------------------------------------------
 

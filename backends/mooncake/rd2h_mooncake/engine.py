@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.engine_support import answers_at, bounded_call, check_host_regions, check_read_arrays, goes_quiet
+from rd2h.engine_support import answers_at, bounded_call, breaks_session_on_timeout, check_host_regions, check_read, goes_quiet
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.layout.regions import RegionSet
@@ -233,24 +233,13 @@ class MooncakeEngine(TransferEngine):
         ``TransferError`` otherwise, including bad arrays and a closed engine or session.
         """
         self._check_open()
-        if not isinstance(session, MooncakeSession) or session.engine is not self:
-            raise TransferError(f"not a session of this mooncake engine: {session!r}")
-        if session.closed:
-            raise TransferError(f"the session to {session.peer_id} is closed")
-        if session.broken:
-            raise TransferTimeout(f"the session to {session.peer_id} is unusable: {session.broken}; connect again")
-        n = check_read_arrays(local_addrs, remote_addrs, lengths)
+        n = check_read(self, session, self._bounds, local_addrs, remote_addrs, lengths)
         if n == 0:
             return
-        session.bounds.check(remote_addrs, lengths, f"remote range from {session.peer_id}")
-        self._bounds.check(local_addrs, lengths, "local destination")
         start = time.monotonic()
         peer_lock = self._enter(session.peer_id)
-        try:
+        with breaks_session_on_timeout(session):
             rc, at = self._read_bounded(session.peer_id, peer_lock, local_addrs, remote_addrs, lengths, start)
-        except TransferTimeout as exc:
-            session.broken = str(exc)
-            raise
         if rc != 0:
             self._raise_failure(session, rc, at, n, time.monotonic() - start)
 

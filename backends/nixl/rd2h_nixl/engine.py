@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.engine_support import check_host_regions, check_read_arrays
+from rd2h.engine_support import breaks_session_on_timeout, check_host_regions, check_read
 from rd2h.errors import BackendUnavailableError, ConfigError, TransferError, TransferTimeout
 from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
 from rd2h.layout.regions import RegionSet
@@ -237,17 +237,9 @@ class NixlEngine(TransferEngine):
         closed engine or session.
         """
         self._check_open()
-        if not isinstance(session, NixlSession) or session.engine is not self:
-            raise TransferError(f"not a session of this nixl engine: {session!r}")
-        if session.closed:
-            raise TransferError(f"the session to {session.peer_id} is closed")
-        if session.broken:
-            raise TransferTimeout(f"the session to {session.peer_id} is unusable: {session.broken}; connect again")
-        n = check_read_arrays(local_addrs, remote_addrs, lengths)
+        n = check_read(self, session, self._bounds, local_addrs, remote_addrs, lengths)
         if n == 0:
             return
-        session.bounds.check(remote_addrs, lengths, f"remote range from {session.peer_id}")
-        self._bounds.check(local_addrs, lengths, "local destination")
         zeros = np.zeros(n, dtype=np.int64)
         local = np.stack([local_addrs, lengths, zeros], axis=1).astype(np.uint64)
         remote = np.stack([remote_addrs, lengths, zeros], axis=1).astype(np.uint64)
@@ -266,11 +258,8 @@ class NixlEngine(TransferEngine):
                     self._active -= 1
                     self._idle.notify_all()
 
-        try:
+        with breaks_session_on_timeout(session):
             outcome = _native.call("read", read, self.timeout + GRACE_S)
-        except TransferTimeout as exc:
-            session.broken = str(exc)
-            raise
         if outcome:
             raise TransferTimeout(f"nixl read of {n} ranges from {session.peer_id}: {outcome}")
 

@@ -1,0 +1,82 @@
+"""``RD2HTestConnector``: RD2HConnector with two hooks the end-to-end tests need (test-only).
+
+The engines of a test load it with ``"kv_connector": "RD2HTestConnector",
+"kv_connector_module_path": "rd2h_test_connector"`` (``tests/kit/vllm`` on PYTHONPATH);
+rd2h itself carries no test hook. The hooks are switched on by the engine's environment:
+
+- ``RD2H_TEST_CORRUPT=1`` (Decode): every block a request received is overwritten with noise
+  once it is DONE, the negative control that proves the tokens depend on the transfer.
+- ``RD2H_TEST_HOLD_FILE=PATH`` (Prefill): the first step that adds a request touches
+  ``PATH.held`` and then holds (``RD2H_TEST_HOLD_SECONDS``, default 120) so a test can kill
+  the engine with a request in hand.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from rd2h.outcome import Outcome
+from rd2h.vllm.connector import RD2HConnector
+from rd2h.vllm.metadata import StepMetadata
+from rd2h.vllm.worker import RD2HWorker
+
+__all__ = ["HookedWorker", "RD2HTestConnector"]
+
+
+class HookedWorker(RD2HWorker):
+    """RD2HWorker with the corruption and hold hooks (arguments default to the environment)."""
+
+    def __init__(self, *args: Any, corrupt: bool | None = None, hold_file: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.corrupt = os.environ.get("RD2H_TEST_CORRUPT") == "1" if corrupt is None else corrupt
+        self.hold_file = os.environ.get("RD2H_TEST_HOLD_FILE") if hold_file is None else hold_file
+        self._received: dict[str, tuple[int, tuple[int, ...]]] = {}  # ext id -> (first block, main blocks)
+        self._held = False
+
+    def register(self, kv_caches: Mapping[str, Any], num_blocks: Mapping[str, int]) -> None:
+        super().register(kv_caches, num_blocks)
+        if self.sink is not None and self.corrupt:
+            take = self.sink.take
+
+            def take_and_corrupt() -> dict[str, Outcome]:
+                outcomes = take()
+                for ext_id, outcome in outcomes.items():
+                    where = self._received.pop(ext_id, None)
+                    if outcome.ok and where is not None:
+                        self._corrupt(*where)
+                return outcomes
+
+            self.sink.take = take_and_corrupt
+
+    def _apply_recv(self, meta: StepMetadata) -> None:
+        for spec in meta.recv:
+            self._received[spec.ext_id] = (spec.first_block, spec.blocks[0])
+        super()._apply_recv(meta)
+
+    def _apply_send(self, meta: StepMetadata) -> None:
+        if meta.send_new:
+            self._hold()
+        super()._apply_send(meta)
+
+    def _corrupt(self, first_block: int, blocks: tuple[int, ...]) -> None:
+        import torch
+
+        ids = torch.tensor(blocks[first_block:], dtype=torch.long)
+        for layer in self._tensors.values():
+            for tensor in layer.main:
+                tensor[ids] = torch.randn(tensor[ids].shape, dtype=torch.float32).to(tensor.dtype)
+
+    def _hold(self) -> None:
+        if self.hold_file is None or self._held:
+            return
+        self._held = True
+        with open(f"{self.hold_file}.held", "w"):
+            pass
+        threading.Event().wait(float(os.environ.get("RD2H_TEST_HOLD_SECONDS", "120")))
+
+
+class RD2HTestConnector(RD2HConnector):
+    worker_class = HookedWorker
