@@ -31,7 +31,7 @@ status codes or status strings are returned to callers.
     │   ├── PortInUseError           bind failed because the address is taken
     │   └── FrameTooLargeError       a frame above the configured size limit
     ├── GateTimeout                  a storage slot was not released in time (dead Decode?)
-    ├── LayerFailedError             Decode answered READ_FAILED; raised on the Prefill compute path
+    ├── LayerFailedError             a layer failed as a whole: the outcome of each request it held
     ├── WaitTimeout                  wait()/wait_finished() ran out before the requests ended
     ├── DeadlineExceeded             a request's own deadline passed before it completed
     ├── ReplyTimeout                 a peer did not reply within its bound (silent Decode)
@@ -208,9 +208,10 @@ class GateTimeout(RD2HError, TimeoutError):
 
 
 class LayerFailedError(RD2HError):
-    """A layer failed as a whole: a Decode endpoint never replied, answered a READ_FAILED that
-    names no request, or the layer could not be announced. Raised where Prefill waits on the
-    layer's storage slot. (A READ_FAILED naming requests fails only those requests.)"""
+    """A layer failed as a whole: a Decode answered a READ_FAILED that names no request (a
+    legacy peer's), or the layer could not be announced. It is the error of each request that
+    layer held, in their outcomes; it is never raised on the compute path, whose storage slot is
+    freed like any other. (A READ_FAILED naming requests fails only those requests.)"""
 
 
 class WaitTimeout(RD2HError, TimeoutError):

@@ -1,7 +1,7 @@
 """What one Prefill peer may cost a Decode rank: entries, handshakes, ids per message (pure).
 
-Issue 9 D3/D7: every handshake left an entry (and its engine session's fds) for ever, and a
-single readiness of 20M block ids cost 561 MB to decode. Here:
+A peer that is never forgotten keeps an entry and its engine session's fds for ever, and a
+readiness is as large as its sender makes it (20M block ids cost ~560 MB to decode). So:
 
 - :class:`PeerBook` keeps the peers a rank knows in order of last activity, caps them per
   source process (the engine's proven peer id) and in all, and names the ones idle too long;

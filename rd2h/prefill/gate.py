@@ -15,7 +15,7 @@ __all__ = ["SlotGate"]
 
 class SlotGate:
     """:class:`SlotTable` made safe across threads: the compute path ``wait``s, the
-    background sender reports ``sent``/``replied``/``fail_layer``."""
+    background sender reports ``sent``/``replied``."""
 
     def __init__(self) -> None:
         self._table = SlotTable()
@@ -29,19 +29,16 @@ class SlotGate:
         with self._cond:
             return self._notify(self._table.sent(layer_idx, endpoints))
 
-    def replied(self, layer_idx: int, endpoint: Hashable, error: str | None = None) -> bool:
+    def replied(self, layer_idx: int, endpoint: Hashable) -> bool:
         with self._cond:
-            return self._notify(self._table.replied(layer_idx, endpoint, error))
-
-    def fail_layer(self, layer_idx: int, error: str) -> bool:
-        with self._cond:
-            return self._notify(self._table.fail_layer(layer_idx, error))
+            return self._notify(self._table.replied(layer_idx, endpoint))
 
     def wait(self, slots: Iterable[Hashable], timeout: float) -> None:
         """Block until every slot is FREE.
 
-        Raises LayerFailedError if a layer that held one of them failed (each failure
-        reaches one waiter), GateTimeout after ``timeout`` seconds (0 polls once).
+        Raises GateTimeout after ``timeout`` seconds (0 polls once). A layer whose readers
+        failed frees its slots like any other: the requests it failed are reported by the
+        send tracker, never raised here.
         """
         if not timeout >= 0:
             raise ConfigError(f"timeout must be >= 0 seconds, got {timeout!r}")

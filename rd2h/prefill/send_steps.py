@@ -1,4 +1,5 @@
-"""What a Prefill step announces: request records and per-endpoint announcements (pure).
+"""What a Prefill step announces: request records, per-endpoint announcements and the
+readiness awaiting replies (pure).
 
 A step is cut once by the send tracker's ``schedule``; its announcement to each Decode
 endpoint (read requests packed once for every layer, final ids, and the per-request
@@ -14,11 +15,11 @@ import numpy as np
 import numpy.typing as npt
 
 from rd2h.errors import ConfigError, RD2HError
-from rd2h.layout.chunking import GroupChunks
-from rd2h.prefill.send_states import ANNOUNCED, RequestState
+from rd2h.layout.chunking import Chunk, GroupChunks
+from rd2h.prefill.send_states import ANNOUNCED, EndpointState, RequestState
 from rd2h.wire import protocol
 
-__all__ = ["Ids", "RequestRecord", "Announcement", "Step", "build_step", "block_ids"]
+__all__ = ["Ids", "RequestRecord", "SentReadiness", "EndpointRecord", "Announcement", "Step", "build_step", "block_ids", "next_chunks", "RequestSlots"]
 
 Ids = npt.NDArray[np.int64]
 
@@ -41,6 +42,56 @@ class RequestRecord:
     state: RequestState = RequestState.ACTIVE
     error: RD2HError | None = None
 
+
+@dataclass(eq=False, slots=True)
+class SentReadiness:
+    """A readiness awaiting its reply from one endpoint."""
+
+    layer_idx: int
+    frame: bytes
+    slots: Ids
+    requests: list[RequestRecord]
+    at: float
+    resent: bool = False  # repeated once after META_REQUIRED
+
+
+@dataclass(eq=False, slots=True)
+class EndpointRecord:
+    """One Decode endpoint as this Prefill rank knows it."""
+
+    state: EndpointState = EndpointState.NEW
+    in_flight: dict[int, SentReadiness] = field(default_factory=dict)  # oldest first
+    unacked: int = 0  # mf_meta frames sent (since it was last revived) and not yet acknowledged
+
+
+
+class RequestSlots:
+    """Per-request counters, indexed by each live request's slot, in numpy arrays: a layer's
+    readiness and its reply move the counters of every request it names in one operation.
+    ``unanswered``: readiness naming the request not yet answered; ``nbytes``: source bytes
+    announced for it; ``draining``: it awaits only its last replies. Grows by doubling."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.unanswered = np.zeros(size, np.int64)
+        self.nbytes = np.zeros(size, np.int64)
+        self.draining = np.zeros(size, bool)
+        self.owner: dict[int, RequestRecord] = {}
+        self._free = list(range(size - 1, -1, -1))
+
+    def take(self) -> int:
+        if not self._free:
+            size = len(self.unanswered)
+            self.unanswered = np.concatenate((self.unanswered, np.zeros(size, np.int64)))
+            self.nbytes = np.concatenate((self.nbytes, np.zeros(size, np.int64)))
+            self.draining = np.concatenate((self.draining, np.zeros(size, bool)))
+            self._free = list(range(2 * size - 1, size - 1, -1))
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        del self.owner[slot]
+        self.nbytes[slot] = 0
+        self.draining[slot] = False
+        self._free.append(slot)
 
 @dataclass(eq=False, slots=True)
 class Announcement:
@@ -102,3 +153,27 @@ def build_step(step: Step, epoch: int) -> None:
         counted.update(r.slot for r in ann.requests)
         ann.main_blocks = np.fromiter((len(r.main_block_ids) for r in ann.reads), np.int64, n) * fresh
         ann.indexer_blocks = np.fromiter((len(r.indexer_block_ids) for r in ann.reads), np.int64, n) * fresh
+
+
+def next_chunks(request: RequestRecord, tokens: object, placed: dict[str, tuple[int, int]]) -> tuple[Chunk, Chunk]:
+    """The request's next chunk per group once ``tokens`` prompt tokens are computed;
+    ConfigError for whatever makes it unsendable. ``placed`` holds, per Decode address, the
+    (member, ratio) of the requests cut before it in this step: one step reads one TP split."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise ConfigError(f"request {request.ext_id!r}: computed tokens must be an int, got {tokens!r}")
+    if tokens < request.computed:
+        raise ConfigError(f"request {request.ext_id!r}: computed tokens went back ({tokens} after {request.computed})")
+    try:
+        main, indexer = request.main.peek(tokens), request.indexer.peek(tokens)
+    except ConfigError as exc:
+        raise ConfigError(f"request {request.ext_id!r}: {exc}") from None
+    indexer_count = len(request.main_ids if request.indexer_ids is None else request.indexer_ids)
+    if len(request.main_ids) < main.hi or indexer_count < indexer.hi:
+        raise ConfigError(
+            f"request {request.ext_id!r}: {tokens} tokens need {main.hi} main and {indexer.hi} indexer "
+            f"block ids, it has {len(request.main_ids)} and {indexer_count}"
+        )
+    for address in request.addresses:
+        if placed.get(address, (request.member, request.ratio)) != (request.member, request.ratio):
+            raise ConfigError(f"request {request.ext_id!r}: {address} is another Decode TP size in this step")
+    return main, indexer

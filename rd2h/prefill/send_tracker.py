@@ -18,9 +18,8 @@ unknown endpoints, READ_FAILED naming requests that are not there are counted in
 :attr:`SendTracker.counters` and otherwise ignored; a failure becomes the outcome of the
 requests it names (never of a slot or of the next request).
 
-Each settled request is told to its Decode endpoints (``take_notices``): DONE confirms what
-Decode read (Decode reports DONE only then, so the two sides agree), FAILED and ABORTED
-let Decode fail the request at once instead of at its deadline.
+Each settled request is told to its Decode endpoints (``take_notices``, see
+:mod:`rd2h.prefill.settled_notices`).
 """
 
 from __future__ import annotations
@@ -38,9 +37,8 @@ from rd2h.errors import (
     ReplyTimeout,
     StateError,
     UnknownRequestError,
-    wire_kind,
 )
-from rd2h.layout.chunking import Chunk, GroupChunks
+from rd2h.layout.chunking import GroupChunks
 from rd2h.layout.topology import Topology
 from rd2h.outcome import Outcome, OutcomeBook, TerminalState
 from rd2h.prefill.send_states import (
@@ -56,7 +54,17 @@ from rd2h.prefill.send_states import (
     RequestEvent,
     RequestState,
 )
-from rd2h.prefill.send_steps import Ids, RequestRecord, Step, block_ids, build_step
+from rd2h.prefill.send_steps import (
+    EndpointRecord,
+    RequestRecord,
+    RequestSlots,
+    SentReadiness,
+    Step,
+    block_ids,
+    build_step,
+    next_chunks,
+)
+from rd2h.prefill.settled_notices import SettledNotices
 from rd2h.statemachine import step as _step
 from rd2h.wire import protocol
 from rd2h.wire.endpoint import DecodeEndpoint
@@ -64,25 +72,6 @@ from rd2h.wire.endpoint import DecodeEndpoint
 __all__ = ["RequestState", "EndpointState", "Step", "Effects", "SendTracker"]
 
 _RE, _EE = RequestEvent, EndpointEvent
-
-
-@dataclass(eq=False, slots=True)
-class _Sent:
-    """A readiness awaiting its reply from one endpoint."""
-
-    layer_idx: int
-    frame: bytes
-    slots: Ids
-    requests: list[RequestRecord]
-    at: float
-    resent: bool = False  # repeated once after META_REQUIRED
-
-
-@dataclass(eq=False, slots=True)
-class _Endpoint:
-    state: EndpointState = EndpointState.NEW
-    in_flight: dict[int, _Sent] = field(default_factory=dict)  # oldest first
-    unacked: int = 0  # mf_meta frames sent (since it was last revived) and not yet acknowledged
 
 
 @dataclass(slots=True)
@@ -96,14 +85,6 @@ class Effects:
     sends: list[tuple[str, int, bytes]] = field(default_factory=list)
     released: list[tuple[int, str]] = field(default_factory=list)
     disconnects: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Notices:
-    """How requests ended, not yet told to one endpoint."""
-
-    done: list[str] = field(default_factory=list)
-    failed: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (error, kind) -> ids
 
 
 class SendTracker:
@@ -142,16 +123,11 @@ class SendTracker:
         self._block_size, self._indexer_block_size = block_size, indexer_block_size
         self._reply_timeout = reply_timeout
         self._requests: dict[str, RequestRecord] = {}
-        self._endpoints: dict[str, _Endpoint] = {}
+        self._endpoints: dict[str, EndpointRecord] = {}
         self._book = OutcomeBook()
         self._epoch = 0  # bumped whenever a request drops out of the announced ones
-        # per-request counters by slot, so a layer's sends and replies cost no loop per request
-        self._unanswered = np.zeros(16, np.int64)
-        self._nbytes = np.zeros(16, np.int64)
-        self._draining = np.zeros(16, bool)
-        self._owner: dict[int, RequestRecord] = {}
-        self._free = list(range(15, -1, -1))
-        self._notices: dict[str, _Notices] = {}
+        self._slots = RequestSlots()  # per-request counters: a layer moves them without a loop
+        self._notices = SettledNotices()
         self.counters = {"stray": 0, "stale": 0, "malformed": 0, "unknown_failed_ids": 0, "acks": 0}
 
     # -- local calls -----------------------------------------------------------------------
@@ -193,15 +169,15 @@ class SendTracker:
         main_ids = block_ids(main_block_ids, "main_block_ids")
         indexer_ids = None if indexer_block_ids is None else block_ids(indexer_block_ids, "indexer_block_ids")
         for address in addresses:
-            endpoint = self._endpoints.setdefault(address, _Endpoint())
+            endpoint = self._endpoints.setdefault(address, EndpointRecord())
             if endpoint.state is EndpointState.SILENT:
                 endpoint.unacked = 0  # an mf_meta the silent Decode never acknowledged is not waited for
             endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.REVIVE, address)
         request = RequestRecord(
-            ext_id, self._take_slot(), addresses, topology.member_of(self._rank), topology.ratio,
+            ext_id, self._slots.take(), addresses, topology.member_of(self._rank), topology.ratio,
             main, indexer, main_ids, indexer_ids, now,
         )
-        self._requests[ext_id] = self._owner[request.slot] = request
+        self._requests[ext_id] = self._slots.owner[request.slot] = request
 
     def extend(self, ext_id: str, *, main_block_ids: Iterable[int] = (), indexer_block_ids: Iterable[int] = ()) -> None:
         """Append source block ids (chunked prefill learns them step by step).
@@ -249,7 +225,7 @@ class SendTracker:
                 problems[ext_id] = StateError(f"request {ext_id!r}: its final chunk was scheduled already")
                 continue
             try:
-                main, indexer = self._cut(request, tokens, placed)
+                main, indexer = next_chunks(request, tokens, placed)
             except ConfigError as exc:
                 problems[ext_id] = exc
                 self._decide(request, _RE.FAIL, exc, now)
@@ -295,9 +271,9 @@ class SendTracker:
                 layer_idx, layer_name, ann.packed, ann.done if last else (), ann.member, ann.ratio
             )
             effects.sends.append((address, layer_idx, frame))
-            endpoint.in_flight[layer_idx] = _Sent(layer_idx, frame, ann.slots, ann.requests, now)
-            self._unanswered[ann.slots] += 1
-            self._nbytes[ann.slots] += ann.main_blocks * main_bytes + ann.indexer_blocks * indexer_bytes
+            endpoint.in_flight[layer_idx] = SentReadiness(layer_idx, frame, ann.slots, ann.requests, now)
+            self._slots.unanswered[ann.slots] += 1
+            self._slots.nbytes[ann.slots] += ann.main_blocks * main_bytes + ann.indexer_blocks * indexer_bytes
         if last:
             for request in step.finals:
                 if request.state is RequestState.ACTIVE:
@@ -349,14 +325,7 @@ class SendTracker:
         """``(address, frame)`` to send, no reply expected: how the requests settled since the
         last call ended, for each endpoint that heard of them (consumed). A frame that cannot
         be sent is lost: Decode then fails the request at its deadline."""
-        frames = []
-        for address, notices in self._notices.items():
-            if notices.done:
-                frames.append((address, protocol.encode(protocol.Settled(tuple(notices.done)))))
-            for (error, kind), ids in notices.failed.items():
-                frames.append((address, protocol.encode(protocol.Settled((), tuple(ids), error, kind))))
-        self._notices.clear()
-        return frames
+        return self._notices.take()
 
     # -- remote input and time -------------------------------------------------------------
 
@@ -444,7 +413,7 @@ class SendTracker:
     def unanswered(self, ext_id: str) -> int:
         """Readiness naming the tracked request ``ext_id`` that no endpoint answered yet."""
         request = self._requests.get(ext_id)
-        return 0 if request is None else int(self._unanswered[request.slot])
+        return 0 if request is None else int(self._slots.unanswered[request.slot])
 
     def endpoint_state(self, address: str) -> EndpointState | None:
         endpoint = self._endpoints.get(address)
@@ -463,28 +432,7 @@ class SendTracker:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _cut(self, request: RequestRecord, tokens: object, placed: dict[str, tuple[int, int]]) -> tuple[Chunk, Chunk]:
-        """The request's next chunk per group; ConfigError for whatever makes it unsendable."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int):
-            raise ConfigError(f"request {request.ext_id!r}: computed tokens must be an int, got {tokens!r}")
-        if tokens < request.computed:
-            raise ConfigError(f"request {request.ext_id!r}: computed tokens went back ({tokens} after {request.computed})")
-        try:
-            main, indexer = request.main.peek(tokens), request.indexer.peek(tokens)
-        except ConfigError as exc:
-            raise ConfigError(f"request {request.ext_id!r}: {exc}") from None
-        indexer_count = len(request.main_ids if request.indexer_ids is None else request.indexer_ids)
-        if len(request.main_ids) < main.hi or indexer_count < indexer.hi:
-            raise ConfigError(
-                f"request {request.ext_id!r}: {tokens} tokens need {main.hi} main and {indexer.hi} indexer "
-                f"block ids, it has {len(request.main_ids)} and {indexer_count}"
-            )
-        for address in request.addresses:
-            if placed.get(address, (request.member, request.ratio)) != (request.member, request.ratio):
-                raise ConfigError(f"request {request.ext_id!r}: {address} is another Decode TP size in this step")
-        return main, indexer
-
-    def _fail_named(self, sent: _Sent, reply: protocol.ReadFailed, error: RD2HError, now: float) -> None:
+    def _fail_named(self, sent: SentReadiness, reply: protocol.ReadFailed, error: RD2HError, now: float) -> None:
         if not reply.failed_ext_ids:
             for request in sent.requests:
                 self._decide(request, _RE.FAIL, error, now)
@@ -497,19 +445,19 @@ class SendTracker:
             else:
                 self._decide(request, _RE.FAIL, error, now)
 
-    def _answered(self, sent: _Sent, now: float) -> None:
-        self._unanswered[sent.slots] -= 1
-        quiet = sent.slots[self._draining[sent.slots] & (self._unanswered[sent.slots] == 0)]
+    def _answered(self, sent: SentReadiness, now: float) -> None:
+        self._slots.unanswered[sent.slots] -= 1
+        quiet = sent.slots[self._slots.draining[sent.slots] & (self._slots.unanswered[sent.slots] == 0)]
         for slot in quiet.tolist():  # usually none: only requests that await their last replies
-            self._settle(self._owner[slot], now)
+            self._settle(self._slots.owner[slot], now)
 
     def _decide(self, request: RequestRecord, event: RequestEvent, error: RD2HError | None, now: float) -> None:
         self._move(request, event)
         if error is not None and request.error is None:
             request.error = error
         if request.state in DRAINING:
-            self._draining[request.slot] = True
-            if self._unanswered[request.slot] == 0:
+            self._slots.draining[request.slot] = True
+            if self._slots.unanswered[request.slot] == 0:
                 self._settle(request, now)
 
     def _move(self, request: RequestRecord, event: RequestEvent) -> None:
@@ -526,46 +474,17 @@ class SendTracker:
                 request.ext_id,
                 terminal,
                 request.error if terminal is TerminalState.FAILED else None,
-                int(self._nbytes[request.slot]),
+                int(self._slots.nbytes[request.slot]),
                 request.started,
                 now,
             )
         )
-        self._notify(request, terminal)
+        listening = [
+            a for a in request.addresses if (e := self._endpoints.get(a)) is not None and e.state is not EndpointState.NEW
+        ]  # a NEW endpoint never heard of this Prefill; a SILENT one is told too (see SettledNotices)
+        self._notices.settled(request.ext_id, terminal, request.error, listening)
         del self._requests[request.ext_id]
-        del self._owner[request.slot]
-        self._nbytes[request.slot] = 0
-        self._draining[request.slot] = False
-        self._free.append(request.slot)
-
-    def _notify(self, request: RequestRecord, terminal: TerminalState) -> None:
-        """Queue the notice of how ``request`` ended for each of its endpoints that knows this
-        Prefill. A failure goes to a SILENT endpoint too, over a new connection: a Decode that
-        was only stopped still holds this Prefill's mf_meta (the identity is kept), and may
-        read the readiness queued before it stopped; told, it fails the request instead of
-        waiting for its deadline. A NEW endpoint never heard of this Prefill."""
-        if terminal is TerminalState.FAILED and request.error is not None:
-            key = (str(request.error), wire_kind(request.error))
-        else:
-            key = (f"request {request.ext_id!r} was aborted on Prefill", "StateError")
-        for address in request.addresses:
-            endpoint = self._endpoints.get(address)
-            if endpoint is None or endpoint.state is EndpointState.NEW:
-                continue
-            notices = self._notices.setdefault(address, _Notices())
-            if terminal is TerminalState.DONE:
-                notices.done.append(request.ext_id)  # every endpoint answered: all listening
-            else:
-                notices.failed.setdefault(key, []).append(request.ext_id)
-
-    def _take_slot(self) -> int:
-        if not self._free:
-            size = len(self._unanswered)
-            self._unanswered = np.concatenate((self._unanswered, np.zeros(size, np.int64)))
-            self._nbytes = np.concatenate((self._nbytes, np.zeros(size, np.int64)))
-            self._draining = np.concatenate((self._draining, np.zeros(size, bool)))
-            self._free = list(range(2 * size - 1, size - 1, -1))
-        return self._free.pop()
+        self._slots.free(request.slot)
 
 
 def _reply_error(reply: protocol.ReadFailed, address: str) -> RD2HError:

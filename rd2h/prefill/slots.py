@@ -2,10 +2,11 @@
 
 Layerwise Prefill reuses a few physical buffers (slots, keyed by storage address) across
 logical layers. A slot written for a layer stays BUSY until every Decode endpoint told about
-that layer has replied; the compute path waits for it before overwriting. Replies of
-READ_FAILED (the sender reports a silent endpoint as one) and layers that could not be sent
-release it too, and their error reaches the next waiter. Transitions are tables over ``Enum``
-states; an illegal event raises :class:`~rd2h.errors.StateError`.
+that layer has replied; the compute path waits for it before overwriting. A READ_FAILED
+(the sender reports a silent endpoint as one) releases it like a READ_DONE: the requests a
+layer failed are the send tracker's to report, one by one, never an error on the compute
+path. Transitions are tables over ``Enum`` states; an illegal event raises
+:class:`~rd2h.errors.StateError`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from rd2h.errors import GateTimeout, LayerFailedError, StateError
+from rd2h.errors import GateTimeout, StateError
 from rd2h.statemachine import step as _step
 
 __all__ = ["SlotState", "LayerState", "SlotTable"]
@@ -39,7 +40,7 @@ _SLOT_TRANSITIONS = {
 class LayerState(Enum):
     CLAIMED = "claimed"  # slots written, readiness not yet sent (replies are held)
     SENT = "sent"  # readiness sent, waiting for the pending endpoints
-    RELEASED = "released"  # every endpoint replied (or the send failed): slots free
+    RELEASED = "released"  # every endpoint replied (or none was sent to): slots free
 
 
 class _LayerEvent(Enum):
@@ -47,17 +48,14 @@ class _LayerEvent(Enum):
     SEND_NONE = "send to no pending endpoint"
     REPLY = "reply"
     LAST_REPLY = "last reply"
-    FAIL = "fail"
 
 
 _LAYER_TRANSITIONS = {
     (LayerState.CLAIMED, _LayerEvent.SEND): LayerState.SENT,
     (LayerState.CLAIMED, _LayerEvent.SEND_NONE): LayerState.RELEASED,
     (LayerState.CLAIMED, _LayerEvent.REPLY): LayerState.CLAIMED,  # early reply, held
-    (LayerState.CLAIMED, _LayerEvent.FAIL): LayerState.RELEASED,  # nobody is reading
     (LayerState.SENT, _LayerEvent.REPLY): LayerState.SENT,
     (LayerState.SENT, _LayerEvent.LAST_REPLY): LayerState.RELEASED,
-    (LayerState.SENT, _LayerEvent.FAIL): LayerState.SENT,  # readers still hold the slots
 }
 
 
@@ -67,26 +65,7 @@ class _Layer:
     slots: tuple[Hashable, ...]
     state: LayerState = LayerState.CLAIMED
     pending: set[Hashable] = field(default_factory=set)
-    early: dict[Hashable, str | None] = field(default_factory=dict)  # replies before sent: error or None
-    failures: list[tuple[Hashable | None, str]] = field(default_factory=list)
-
-
-@dataclass(eq=False, slots=True)
-class _Failure:
-    """One released layer's errors, attached to all its slots until one waiter takes it."""
-
-    layer_idx: int
-    slots: tuple[Hashable, ...]
-    details: tuple[tuple[Hashable | None, str], ...]
-
-    def describe(self) -> str:
-        parts = [
-            f"the sender could not send readiness: {error}"
-            if endpoint is None
-            else f"Decode endpoint {endpoint!r} failed the read: {error}"
-            for endpoint, error in self.details
-        ]
-        return f"layer {self.layer_idx}: " + "; ".join(parts)
+    early: set[Hashable] = field(default_factory=set)  # endpoints that replied before ``sent``
 
 
 class SlotTable:
@@ -104,7 +83,6 @@ class SlotTable:
     def __init__(self) -> None:
         self._owner: dict[Hashable, int] = {}  # busy slot -> layer
         self._layers: dict[int, _Layer] = {}  # in-flight layers
-        self._failures: dict[Hashable, list[_Failure]] = {}
         self._stray = 0
 
     # events
@@ -136,19 +114,18 @@ class SlotTable:
         (no endpoints, or all of them already replied). Raises StateError if not claimed."""
         layer = self._in_flight(layer_idx, "sent")
         pending = set(endpoints)
-        for endpoint, error in layer.early.items():
+        for endpoint in layer.early:
             if endpoint in pending:
                 pending.discard(endpoint)
-                if error is not None:
-                    layer.failures.append((endpoint, error))
             else:
                 self._stray += 1
         layer.early.clear()
         event = _LayerEvent.SEND if pending else _LayerEvent.SEND_NONE
         return self._advance(layer, event, pending)
 
-    def replied(self, layer_idx: int, endpoint: Hashable, error: str | None = None) -> bool:
-        """``endpoint`` answered for ``layer_idx`` (``error`` set for READ_FAILED).
+    def replied(self, layer_idx: int, endpoint: Hashable) -> bool:
+        """``endpoint`` answered for ``layer_idx`` (READ_DONE or READ_FAILED alike: what
+        failed is the send tracker's business; the slot only waits for every reader).
 
         Returns True if this released the layer's slots. A reply that matches no pending
         (layer, endpoint) is ignored and counted in :attr:`stray_replies`.
@@ -161,50 +138,20 @@ class SlotTable:
             if endpoint in layer.early:
                 self._stray += 1
                 return False
-            layer.early[endpoint] = error
+            layer.early.add(endpoint)
             return self._advance(layer, _LayerEvent.REPLY, set())
         if endpoint not in layer.pending:
             self._stray += 1
             return False
         layer.pending.discard(endpoint)
-        if error is not None:
-            layer.failures.append((endpoint, error))
         event = _LayerEvent.REPLY if layer.pending else _LayerEvent.LAST_REPLY
         return self._advance(layer, event, layer.pending)
-
-    def fail_layer(self, layer_idx: int, error: str) -> bool:
-        """The sender could not announce ``layer_idx``: record ``error`` for the next waiter.
-
-        Before ``sent`` the slots are released at once (no one reads them); after it they
-        are released when the endpoints that did get readiness have replied, since they
-        may still be reading. Returns True if released now. Raises StateError if the
-        layer is not in flight.
-        """
-        layer = self._in_flight(layer_idx, "fail_layer")
-        layer.failures.append((None, error))
-        layer.early.clear()
-        return self._advance(layer, _LayerEvent.FAIL, layer.pending)
 
     # queries
 
     def check(self, slots: Iterable[Hashable]) -> bool:
-        """True if every slot is FREE. Raises LayerFailedError (once, then cleared) if a
-        layer that held any of them failed."""
-        keys = tuple(slots)
-        found: list[_Failure] = []
-        for slot in keys:
-            for failure in self._failures.get(slot, ()):
-                if failure not in found:
-                    found.append(failure)
-        if found:
-            for failure in found:
-                for slot in failure.slots:
-                    attached = self._failures[slot]
-                    attached.remove(failure)
-                    if not attached:
-                        del self._failures[slot]
-            raise LayerFailedError(" | ".join(f.describe() for f in found))
-        return all(slot not in self._owner for slot in keys)
+        """True if every slot is FREE."""
+        return all(slot not in self._owner for slot in slots)
 
     def timeout_error(self, slots: Iterable[Hashable], timeout: float) -> GateTimeout:
         """The GateTimeout for a wait on ``slots``: names each busy slot, its layer and
@@ -256,9 +203,5 @@ class SlotTable:
         for slot in layer.slots:
             _step(_SLOT_TRANSITIONS, SlotState.BUSY, _SlotEvent.RELEASE, f"slot {slot!r}")
             del self._owner[slot]
-        if layer.failures:
-            failure = _Failure(layer.idx, layer.slots, tuple(layer.failures))
-            for slot in layer.slots:
-                self._failures.setdefault(slot, []).append(failure)
         del self._layers[layer.idx]
         return True

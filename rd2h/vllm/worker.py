@@ -258,8 +258,8 @@ class RD2HWorker:
     def _wait_when_idle(self) -> None:
         """A step with nothing to compute and transfers in flight comes back at once, and vLLM
         steps again: on a CPU host its engine and workers then spin through empty steps and
-        take the cores the Prefill engine computes on (seen in the TP 2 tests: Decode workers
-        at 70% CPU each, Prefill steps of 23 s). Such a step waits up to ``IDLE_WAIT_SECONDS``
+        take the cores the Prefill engine computes on (Decode workers at 70% CPU each and
+        Prefill steps of 23 s at TP 2 on 2 cores). Such a step waits up to ``IDLE_WAIT_SECONDS``
         for a transfer to end; it returns at once when one does."""
         if self._bound is None or not self._bound.idle:
             return

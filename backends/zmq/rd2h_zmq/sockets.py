@@ -226,7 +226,7 @@ class ZmqListener(Listener):
         routing_id = peer[_KEY_BYTES:] if self._curve else peer
         try:
             # Never block: this is Decode's only loop thread, and one peer that does not read
-            # must not delay the replies to every other peer (issue 9 D2).
+            # must not delay the replies to every other peer.
             self._sock.send_multipart([routing_id, b"", payload], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again as exc:
             self.dropped += 1

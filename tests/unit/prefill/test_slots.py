@@ -1,5 +1,5 @@
 """The storage-slot table (rd2h.prefill.slots, pure): scenarios and a stateful check against a small
-model (every reply is matched or counted stray; every error reaches exactly one waiter)."""
+model (every reply is matched or counted stray; a slot is free exactly when its layer is released)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rd2h.errors import LayerFailedError, StateError
+from rd2h.errors import StateError
 from rd2h.prefill.slots import LayerState, SlotState, SlotTable
 
 MAIN, IDX = ("main", 0x1000), ("indexer", 0x2000)
@@ -18,18 +18,15 @@ MAIN, IDX = ("main", 0x1000), ("indexer", 0x2000)
 # -- scenarios ---------------------------------------------------------------------------------
 
 
-def test_errors_of_several_layers_are_raised_together() -> None:
+def test_a_released_layer_frees_its_slots_whatever_its_readers_said() -> None:
+    """READ_FAILED and READ_DONE release alike: the gate never raises a reader's failure on
+    the compute path (the send tracker fails the requests instead)."""
     table = SlotTable()
     table.claim(1, [MAIN])
     table.claim(2, [IDX])
-    table.fail_layer(1, "encode failed")
+    table.sent(1, [])
     table.sent(2, ["d0"])
-    table.replied(2, "d0", "read failed")
-    with pytest.raises(LayerFailedError) as info:
-        table.check([MAIN, IDX])
-    message = str(info.value)
-    assert "layer 1: the sender could not send readiness: encode failed" in message
-    assert "layer 2: Decode endpoint 'd0' failed the read: read failed" in message
+    assert table.replied(2, "d0") is True
     assert table.check([MAIN, IDX]) is True
 
 
@@ -37,15 +34,14 @@ def test_replies_before_sent_are_held() -> None:
     table = SlotTable()
     table.claim(0, [MAIN])
     table.replied(0, "d0")
-    table.replied(0, "d1", "oops")
+    table.replied(0, "d1")
     table.replied(0, "d9")  # never announced: stray once sent() says so
     assert table.state(MAIN) is SlotState.BUSY
     assert table.sent(0, ["d0", "d1", "d2"]) is False
     assert table.pending(0) == {"d2"}
     assert table.stray_replies == 1
     assert table.replied(0, "d2") is True
-    with pytest.raises(LayerFailedError, match="'d1' failed the read: oops"):
-        table.check([MAIN])
+    assert table.check([MAIN]) is True
 
 
 def test_all_early_replies_release_on_sent() -> None:
@@ -70,27 +66,10 @@ def test_stray_replies_are_ignored_and_counted() -> None:
     assert table.check([MAIN]) is True
 
 
-def test_fail_layer_before_and_after_sent() -> None:
-    table = SlotTable()
-    table.claim(0, [MAIN])
-    assert table.fail_layer(0, "encode failed") is True  # nobody reads: released at once
-    with pytest.raises(LayerFailedError, match="encode failed"):
-        table.check([MAIN])
-    table.claim(1, [MAIN])
-    table.sent(1, ["d0"])
-    assert table.fail_layer(1, "d1 unreachable") is False  # d0 may still be reading
-    assert table.state(MAIN) is SlotState.BUSY
-    assert table.replied(1, "d0") is True
-    with pytest.raises(LayerFailedError, match="d1 unreachable"):
-        table.check([MAIN])
-
-
 def test_illegal_layer_events() -> None:
     table = SlotTable()
     with pytest.raises(StateError, match="sent: layer 4 is not in flight"):
         table.sent(4, ["d0"])
-    with pytest.raises(StateError, match="fail_layer: layer 4 is not in flight"):
-        table.fail_layer(4, "x")
     table.claim(4, [MAIN])
     table.sent(4, ["d0"])
     with pytest.raises(StateError, match="layer 4: SEND is illegal in state SENT"):
@@ -105,33 +84,22 @@ LAYERS = st.integers(0, 4)
 
 
 class SlotTableMachine(RuleBasedStateMachine):
-    """The table against a model: per in-flight layer its slots, phase, pending endpoints,
-    held early replies and errors; per released failed layer the errors not yet raised."""
+    """The table against a model: per in-flight layer its slots, phase, pending endpoints
+    and held early replies."""
 
     def __init__(self) -> None:
         super().__init__()
         self.table = SlotTable()
         self.layers: dict[int, dict[str, Any]] = {}
         self.owner: dict[Any, int] = {}
-        self.outstanding: list[dict[str, Any]] = []  # failures not yet raised
         self.stray = 0
-        self.serial = 0
-        self.raised_tokens: list[str] = []
-        self.recorded_tokens: list[str] = []
-
-    def token(self) -> str:
-        self.serial += 1
-        return f"<e{self.serial}>"
 
     def release(self, layer_idx: int) -> None:
         layer = self.layers.pop(layer_idx)
         for slot in layer["slots"]:
             del self.owner[slot]
-        if layer["errors"]:
-            self.outstanding.append({"slots": layer["slots"], "errors": list(layer["errors"])})
-            self.recorded_tokens.extend(layer["errors"])
 
-    def model_reply(self, layer_idx: int, endpoint: str, error: str | None) -> bool:
+    def model_reply(self, layer_idx: int, endpoint: str) -> bool:
         layer = self.layers.get(layer_idx)
         if layer is None:
             self.stray += 1
@@ -140,14 +108,12 @@ class SlotTableMachine(RuleBasedStateMachine):
             if endpoint in layer["early"]:
                 self.stray += 1
             else:
-                layer["early"][endpoint] = error
+                layer["early"].add(endpoint)
             return False
         if endpoint not in layer["pending"]:
             self.stray += 1
             return False
         layer["pending"].discard(endpoint)
-        if error is not None:
-            layer["errors"].append(error)
         if not layer["pending"]:
             self.release(layer_idx)
             return True
@@ -164,8 +130,7 @@ class SlotTableMachine(RuleBasedStateMachine):
             "slots": frozenset(slots),
             "phase": "claimed",
             "pending": set(),
-            "early": {},
-            "errors": [],
+            "early": set(),
         }
         for slot in slots:
             self.owner[slot] = layer_idx
@@ -179,25 +144,20 @@ class SlotTableMachine(RuleBasedStateMachine):
             return
         released = self.table.sent(layer_idx, endpoints)
         pending = set(endpoints)
-        for endpoint, error in layer["early"].items():
+        for endpoint in layer["early"]:
             if endpoint in pending:
                 pending.discard(endpoint)
-                if error is not None:
-                    layer["errors"].append(error)
             else:
                 self.stray += 1
-        layer["early"] = {}
+        layer["early"] = set()
         layer["pending"], layer["phase"] = pending, "sent"
         if not pending:
             self.release(layer_idx)
         assert released == (not pending)
 
-    @rule(layer_idx=LAYERS, endpoint=st.sampled_from(ENDPOINTS), fails=st.booleans())
-    def replied(self, layer_idx: int, endpoint: str, fails: bool) -> None:
-        error = self.token() if fails else None
-        assert self.table.replied(layer_idx, endpoint, error) == self.model_reply(
-            layer_idx, endpoint, error
-        )
+    @rule(layer_idx=LAYERS, endpoint=st.sampled_from(ENDPOINTS))
+    def replied(self, layer_idx: int, endpoint: str) -> None:
+        assert self.table.replied(layer_idx, endpoint) == self.model_reply(layer_idx, endpoint)
 
     @precondition(lambda self: self.layers)
     @rule(data=st.data())
@@ -208,40 +168,12 @@ class SlotTableMachine(RuleBasedStateMachine):
             return
         layer_idx = data.draw(st.sampled_from(sorted(sent)))
         endpoint = data.draw(st.sampled_from(sorted(self.layers[layer_idx]["pending"])))
-        self.replied(layer_idx, endpoint, data.draw(st.booleans()))
-
-    @rule(layer_idx=LAYERS)
-    def fail_layer(self, layer_idx: int) -> None:
-        error = self.token()
-        layer = self.layers.get(layer_idx)
-        if layer is None:
-            with pytest.raises(StateError):
-                self.table.fail_layer(layer_idx, error)
-            return
-        released = self.table.fail_layer(layer_idx, error)
-        layer["errors"].append(error)
-        layer["early"] = {}
-        assert released == (layer["phase"] == "claimed")
-        if layer["phase"] == "claimed":
-            self.release(layer_idx)
+        self.replied(layer_idx, endpoint)
 
     @rule(slots=st.sets(st.sampled_from(SLOTS), min_size=1))
     def wait(self, slots: set[Any]) -> None:
         keys = sorted(slots)
-        hit = [f for f in self.outstanding if f["slots"] & slots]
-        if hit:
-            with pytest.raises(LayerFailedError) as info:
-                self.table.check(keys)
-            message = str(info.value)
-            expected = [token for f in hit for token in f["errors"]]
-            for token in set(expected):
-                assert message.count(token) == expected.count(token)
-            # the message names the hit layers' errors and no other layer's
-            others = {t for f in self.outstanding if f not in hit for t in f["errors"]}
-            assert not any(token in message for token in others - set(expected))
-            self.raised_tokens.extend(expected)
-            self.outstanding = [f for f in self.outstanding if f not in hit]
-        elif slots & self.owner.keys():
+        if slots & self.owner.keys():
             assert self.table.check(keys) is False
             timeout = self.table.timeout_error(keys, 0)
             for slot in slots & self.owner.keys():
@@ -269,13 +201,6 @@ class SlotTableMachine(RuleBasedStateMachine):
         for layer_idx in range(5):
             layer = self.layers.get(layer_idx)
             assert self.table.pending(layer_idx) == (set() if layer is None else layer["pending"])
-
-    def teardown(self) -> None:
-        # every recorded error reaches exactly one waiter: drain them, one slot at a time
-        for slot in SLOTS:
-            if any(slot in f["slots"] for f in self.outstanding):
-                self.wait({slot})
-        assert sorted(self.raised_tokens) == sorted(self.recorded_tokens)
 
 
 SlotTableMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
