@@ -1,4 +1,4 @@
-"""Two helpers for the state machines of ``slots`` and ``tracking`` (pure)."""
+"""Two helpers for the transition tables of the pure state machines (slots, send and receive trackers)."""
 
 from __future__ import annotations
 

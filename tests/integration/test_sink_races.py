@@ -72,7 +72,7 @@ def test_failed_sink_constructor_frees_the_port(kv_port: int, monkeypatch: pytes
 
     layers = {"l": layer_tensors(False)}
     with monkeypatch.context() as patch:
-        patch.setattr(rd2h.decode.sink, "StepPlans", broken)
+        patch.setattr(rd2h.decode.sink, "LayerReader", broken)
         with pytest.raises(RuntimeError, match="after the bind") as info:
             KVSink(layers, kv_port=kv_port)
         kept = info.value  # the caller may keep the exception (and its traceback) alive  # noqa: F841
