@@ -145,6 +145,7 @@ class KVSource(Source):
         reply_timeout: float = 30.0,
         indexer_block_size: int | None = None,
         inline_announce: bool = True,
+        reuse_slots: bool = True,
         clock: Clock = monotonic,
     ) -> None:
         transfer = plugins.load_engine(engine, "prefill", **dict(engine_options or {}))
@@ -154,6 +155,7 @@ class KVSource(Source):
                 super().__init__(
                     rank=rank, tp_size=tp_size, engine=transfer, dialer=dialer, layers=_layouts(layers),
                     block_size=block_size, last_layer=last_layer, reply_timeout=reply_timeout,
-                    indexer_block_size=indexer_block_size, inline_announce=inline_announce, clock=clock,
+                    indexer_block_size=indexer_block_size, inline_announce=inline_announce,
+                    reuse_slots=reuse_slots, clock=clock,
                 )
         self.start()

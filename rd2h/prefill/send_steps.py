@@ -9,6 +9,7 @@ request drops out of it (failed or aborted) before its remaining layers go out.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,7 +61,8 @@ class EndpointRecord:
     """One Decode endpoint as this Prefill rank knows it."""
 
     state: EndpointState = EndpointState.NEW
-    in_flight: dict[int, SentReadiness] = field(default_factory=dict)  # oldest first
+    # per layer, its readiness awaiting replies, oldest first: Decode answers one peer in order
+    in_flight: dict[int, deque[SentReadiness]] = field(default_factory=dict)
     unacked: int = 0  # mf_meta frames sent (since it was last revived) and not yet acknowledged
 
 

@@ -24,6 +24,7 @@ Each settled request is told to its Decode endpoints (``take_notices``, see
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -246,17 +247,15 @@ class SendTracker:
     def announce(self, step: Step, layer_idx: int, layer_name: str, now: float) -> tuple[tuple[str, ...], Effects]:
         """Layer ``layer_idx`` of ``step`` is written: the endpoints told and the frames to send.
 
-        Raises ConfigError for a layer outside the layers, StateError if a readiness for
-        this layer is still unanswered by one of the endpoints (wait for its slots first).
+        Raises ConfigError for a layer outside the layers. An endpoint may still owe replies
+        to earlier readiness of this layer (vLLM's paged cache reuses no slot): each reply
+        answers that endpoint's oldest readiness of the layer, as Decode answers in order.
         """
         if not 0 <= layer_idx < len(self._layer_bytes):
             raise ConfigError(f"layer {layer_idx} outside 0..{len(self._layer_bytes) - 1}")
         if step.epoch != self._epoch:
             build_step(step, self._epoch)
         targets = [(a, ann) for a, ann in step.by_address.items() if ann.requests]
-        for address, _ in targets:
-            if layer_idx in self._endpoints[address].in_flight:
-                raise StateError(f"layer {layer_idx} is still unanswered by {address}")
         last = layer_idx == self._last
         main_bytes, indexer_bytes = self._layer_bytes[layer_idx]
         effects = Effects()
@@ -271,7 +270,8 @@ class SendTracker:
                 layer_idx, layer_name, ann.packed, ann.done if last else (), ann.member, ann.ratio
             )
             effects.sends.append((address, layer_idx, frame))
-            endpoint.in_flight[layer_idx] = SentReadiness(layer_idx, frame, ann.slots, ann.requests, now)
+            sent = SentReadiness(layer_idx, frame, ann.slots, ann.requests, now)
+            endpoint.in_flight.setdefault(layer_idx, deque()).append(sent)
             self._slots.unanswered[ann.slots] += 1
             self._slots.nbytes[ann.slots] += ann.main_blocks * main_bytes + ann.indexer_blocks * indexer_bytes
         if last:
@@ -348,19 +348,22 @@ class SendTracker:
         if endpoint is not None and endpoint.state in STALE:
             self.counters["stale"] += 1
             return effects
-        sent = None if endpoint is None else endpoint.in_flight.get(reply.layer_idx)
-        if endpoint is None or sent is None:
+        waiting = None if endpoint is None else endpoint.in_flight.get(reply.layer_idx)
+        if endpoint is None or not waiting:
             self.counters["stray"] += 1
             return effects
+        sent = waiting.popleft()
         if isinstance(reply, protocol.ReadFailed) and reply.needs_meta:
             endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.META_REQUIRED, address)
             if not sent.resent:  # a restarted Decode read nothing: introduce ourselves, repeat once
                 sent.resent = True
                 endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
                 endpoint.unacked += 1
+                waiting.append(sent)  # its answer now comes after those already owed
                 effects.sends += [(address, sent.layer_idx, self._meta), (address, sent.layer_idx, sent.frame)]
                 return effects
-        del endpoint.in_flight[reply.layer_idx]
+        if not waiting:
+            del endpoint.in_flight[reply.layer_idx]
         if isinstance(reply, protocol.ReadFailed):
             self._fail_named(sent, reply, _reply_error(reply, address), now)
         self._answered(sent, now)
@@ -371,9 +374,12 @@ class SendTracker:
         """Sending to ``address`` for ``layer_idx`` raised: that endpoint missed the layer."""
         effects = Effects()
         endpoint = self._endpoints.get(address)
-        sent = None if endpoint is None else endpoint.in_flight.pop(layer_idx, None)
-        if endpoint is None or sent is None:
+        waiting = None if endpoint is None else endpoint.in_flight.get(layer_idx)
+        if endpoint is None or not waiting:
             return effects
+        sent = waiting.pop()  # the readiness whose send failed is the last one of the layer
+        if not waiting:
+            del endpoint.in_flight[layer_idx]
         endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND_FAILED, address)
         failure = error if isinstance(error, RD2HError) else LayerFailedError(str(error))
         for request in sent.requests:
@@ -388,13 +394,14 @@ class SendTracker:
         for address, endpoint in self._endpoints.items():
             if not endpoint.in_flight:
                 continue
-            oldest = next(iter(endpoint.in_flight.values()))
-            if now - oldest.at <= self._reply_timeout:
+            oldest = min(waiting[0].at for waiting in endpoint.in_flight.values())
+            if now - oldest <= self._reply_timeout:
                 continue
             error = ReplyTimeout(f"Decode {address} did not reply within {self._reply_timeout:g} s")
             endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.TIMEOUT, address)
             effects.disconnects.append(address)
-            records, endpoint.in_flight = list(endpoint.in_flight.values()), {}
+            records = [sent for waiting in endpoint.in_flight.values() for sent in waiting]
+            endpoint.in_flight = {}
             for request in list(self._requests.values()):
                 if address in request.addresses and request.state in ANNOUNCED:
                     self._decide(request, _RE.FAIL, error, now)

@@ -84,8 +84,12 @@ class Source:
     per indexer block (None: the same). The engine, dialer and sender thread belong to the
     source. ``inline_announce``: a layer whose KV is written (``layer_ready`` without an
     event) is announced on the calling thread when the dialer allows concurrent sends and
-    no earlier layer is queued; False sends everything from the sender thread. Raises
-    ConfigError on bad arguments.
+    no earlier layer is queued; False sends everything from the sender thread.
+    ``reuse_slots``: logical layers share physical buffers, so a layer waits for its slots
+    (``wait_for_layer_send``) until every Decode endpoint answered the layer that used them
+    last. False where every block stays the request's until it is finished (vLLM's paged
+    cache): nothing waits, and a layer may be announced again (next step, other requests)
+    while Decode still reads the previous one. Raises ConfigError on bad arguments.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class Source:
         reply_timeout: float = 30.0,
         poll_seconds: float = 0.05,
         inline_announce: bool = True,
+        reuse_slots: bool = True,
         clock: Clock = monotonic,
     ) -> None:
         if not layers:
@@ -128,7 +133,7 @@ class Source:
             reply_timeout=reply_timeout,
         )
         self._lock = threading.Condition()  # guards the tracker; notified when requests settle
-        self._gate = SlotGate()
+        self._gate: SlotGate | None = SlotGate() if reuse_slots else None
         self._step, _ = self._tracker.schedule({}, clock())
         self._queue: queue.SimpleQueue[_Task | object] = queue.SimpleQueue()
         self._inline = inline_announce and dialer.concurrent_send
@@ -201,6 +206,9 @@ class Source:
         Raises GateTimeout if the slots are still busy after ``timeout`` seconds (default:
         the reply timeout plus a margin), ConfigError for an unknown layer.
         """
+        if self._gate is None:  # no slot is reused: nothing to wait for
+            self._index_of(layer_name)
+            return
         bound = self._reply_timeout + 5.0 if timeout is None else timeout
         self._gate.wait(self._slots(layer_name), bound)
 
@@ -210,8 +218,9 @@ class Source:
         Raises ConfigError for an unknown layer, StateError if its slots are still busy
         (``wait_for_layer_send`` first)."""
         layer_idx = self._index_of(layer_name)
-        self._gate.claim(layer_idx, self._slots(layer_name))
-        self._claimed_at[layer_idx] = self._clock()
+        if self._gate is not None:
+            self._gate.claim(layer_idx, self._slots(layer_name))
+            self._claimed_at[layer_idx] = self._clock()
         task = _Task(layer_idx, layer_name, event, self._step)
         with self._order:
             # Announce here when nothing is left to wait for: the KV is written (no event)
@@ -377,9 +386,9 @@ class Source:
             with self._lock:
                 self._tracker.layer_unsent(task.step, task.layer_name, exc, self._clock())
                 self._lock.notify_all()
-            self._released(self._gate.sent(task.layer_idx, ()), task.layer_idx)
+            self._slots_sent(task.layer_idx, ())
             return
-        self._released(self._gate.sent(task.layer_idx, endpoints), task.layer_idx)
+        self._slots_sent(task.layer_idx, endpoints)
         self._carry_out(effects)
 
     def _carry_out(self, effects: Effects) -> None:
@@ -395,8 +404,9 @@ class Source:
                 self._feed(self._tracker.send_failed, address, layer_idx, exc)
         for address in effects.disconnects:
             self._dialer.disconnect(address)
-        for layer_idx, address in effects.released:
-            self._released(self._gate.replied(layer_idx, address), layer_idx)
+        if self._gate is not None:
+            for layer_idx, address in effects.released:
+                self._released(self._gate.replied(layer_idx, address), layer_idx)
 
     def _tell(self, notices: list[tuple[str, bytes]]) -> None:
         """Send how requests ended; nothing waits for these, so a failure is only logged
@@ -414,6 +424,10 @@ class Source:
                 "Prefill rank %d: Decode %s did not reply within %.1f s; abandoning it",
                 self.rank, address, self._reply_timeout,
             )
+
+    def _slots_sent(self, layer_idx: int, endpoints: Sequence[str]) -> None:
+        if self._gate is not None:
+            self._released(self._gate.sent(layer_idx, endpoints), layer_idx)
 
     def _released(self, released: bool, layer_idx: int) -> None:
         claimed = self._claimed_at.pop(layer_idx, None) if released else None

@@ -1,9 +1,17 @@
 """The proxy's ASGI app (FastAPI + httpx, async throughout).
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming passed through),
-``POST /v1/rd2h/rendezvous`` (the metaserver: 404 for an id it does not wait for),
+``POST /v1/rd2h/rendezvous`` (the metaserver: only a body signed with the secret the proxy
+shares with the engines is heard; 404 for an id it does not wait for),
 ``GET /v1/rd2h/requests`` (the latest requests with their rendezvous, for operators and
-tests), ``GET /health``.
+tests: only with ``Authorization: Bearer <token>``, see :func:`rd2h.vllm.vouch.token`),
+``GET /health``.
+
+Both legs carry rd2h's fields signed (:mod:`rd2h.vllm.params`): one client request becomes
+``prompts x samples`` Decode requests, each with an id of its own, and ``prompts`` Prefill
+requests (one sample each: Prefill computes a prompt once for all its samples). The Prefill
+leg changes only what it must: one token, one sample, no streaming, no ``min_tokens``.
+Parameters rd2h cannot serve are refused with 400 and a message naming them.
 
 Failures: a transport error before a request reached an engine (connect errors) is
 retried with exponential backoff, on the next instance of that kind. Anything after that
@@ -16,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
+import secrets
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +39,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-__all__ = ["ProxyConfig", "children_of", "create_app"]
+from rd2h.vllm.params import MAX_CHILDREN, decode_fields, prefill_fields
+from rd2h.vllm.vouch import VouchError, token, verify
+
+__all__ = ["ProxyConfig", "children_of", "create_app", "prefill_body", "shape_of"]
 
 log = logging.getLogger("rd2h.proxy")
 
@@ -41,7 +53,7 @@ RENDEZVOUS_PATH = "/v1/rd2h/rendezvous"
 class ProxyConfig:
     prefill: Sequence[str]
     decode: Sequence[str]
-    metaserver_url: str = ""  # what Decode posts to; default: this proxy's own address
+    secret: bytes  # shared with the engines: signs both legs, authenticates the rendezvous
     rendezvous_timeout: float = 60.0  # Decode must post within this
     request_timeout: float = 600.0  # whole request, per engine call
     retries: int = 3
@@ -62,11 +74,43 @@ def children_of(body: dict[str, Any], path: str) -> int:
     return 1
 
 
+class Refused(ValueError):
+    """A client request rd2h cannot serve as asked: answered 400 with this message."""
+
+
+def shape_of(body: dict[str, Any], path: str) -> tuple[int, int]:
+    """``(prompts, samples)`` of a client request; Refused for what rd2h cannot serve."""
+    prompts = children_of(body, path)
+    samples = body.get("n", 1)
+    if samples is None:
+        samples = 1
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise Refused(f"n must be an integer >= 1, got {samples!r}")
+    if prompts * samples > MAX_CHILDREN:
+        raise Refused(f"{prompts} prompts x n={samples} is more than the {MAX_CHILDREN} requests one call may make")
+    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+        raise Refused(
+            "prompt_logprobs (and echo with logprobs) need the prompt computed by the engine that answers; "
+            "with rd2h the Decode engine loads it: ask an engine directly for those"
+        )
+    return prompts, samples
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The Prefill leg: the client's request with what must change for one prefill."""
+    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "n", "best_of", "min_tokens")}
+    leg.update(max_tokens=1, stream=False)
+    if "max_completion_tokens" in body:
+        leg["max_completion_tokens"] = 1
+    return leg
+
+
 @dataclass
 class _Pending:
     rid: str
-    children: int
-    futures: list[asyncio.Future[dict[str, Any]]]
+    prompts: int
+    samples: int
+    futures: list[asyncio.Future[dict[str, Any]]]  # prompt-major: prompt * samples + sample
     record: dict[str, Any] = field(default_factory=dict)
 
 
@@ -113,16 +157,15 @@ class _Proxy:
         pending.record["children"] = [
             {k: r.get(k) for k in ("endpoint", "first_block", "num_tokens")} for r in found
         ]
-        targets = {str(i): {"endpoint": r["endpoint"], "first_block": int(r.get("first_block", 0))} for i, r in enumerate(found)}
-        prefill_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        prefill_body.update(max_tokens=1, stream=False)
-        if "max_completion_tokens" in body:
-            prefill_body["max_completion_tokens"] = 1
-        prefill_body["kv_transfer_params"] = {
-            "do_remote_decode": True, "rd2h": {"id": pending.rid, "children": pending.children, "targets": targets},
+        n = pending.samples
+        targets = {p: found[p * n : (p + 1) * n] for p in range(pending.prompts)}
+        leg = prefill_body(body)
+        leg["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "rd2h": prefill_fields(self.config.secret, pending.rid, pending.prompts, n, targets, time.time()),
         }
         sent = time.monotonic()
-        response = await self._send(self._prefill, path, prefill_body, stream=False)
+        response = await self._send(self._prefill, path, leg, stream=False)
         pending.record["prefill_ms"] = round((time.monotonic() - sent) * 1e3, 1)
         if response.status_code >= 400:
             raise EngineError(f"Prefill answered {response.status_code}: {response.text[:300]}")
@@ -136,17 +179,20 @@ class _Proxy:
             return JSONResponse({"error": {"message": "the body is not JSON"}}, status_code=400)
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "the body must be a JSON object"}}, status_code=400)
-        rid = uuid.uuid4().hex
-        n = children_of(body, path)
+        try:
+            prompts, samples = shape_of(body, path)
+        except Refused as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error"}}, status_code=400)
+        rid = secrets.token_hex(16)  # unguessable: it names the request on both engines
         loop = asyncio.get_running_loop()
-        pending = _Pending(rid, n, [loop.create_future() for _ in range(n)], {"id": rid, "path": path})
+        futures = [loop.create_future() for _ in range(prompts * samples)]
+        pending = _Pending(rid, prompts, samples, futures, {"id": rid, "path": path})
         self.pending[rid] = pending
         self.recent.append(pending.record)
         started = time.monotonic()
-        metaserver = self.config.metaserver_url or str(request.base_url).rstrip("/") + RENDEZVOUS_PATH
         decode_body = dict(body)
         decode_body["kv_transfer_params"] = {
-            "do_remote_prefill": True, "rd2h": {"id": rid, "children": n, "metaserver": metaserver},
+            "do_remote_prefill": True, "rd2h": decode_fields(self.config.secret, rid, prompts, samples, time.time()),
         }
         stream = bool(body.get("stream"))
         prefill = asyncio.create_task(self.prefill(pending, path, body))
@@ -224,16 +270,29 @@ class _Proxy:
     # -- metaserver ----------------------------------------------------------------------
 
     def rendezvous(self, body: dict[str, Any]) -> Response:
-        pending = self.pending.get(str(body.get("id")))
+        """A Decode's rendezvous, heard only when signed with the shared secret."""
+        try:
+            fields = verify(self.config.secret, body, time.time())
+            rid, prompt, sample = str(fields["ext_id"]).rsplit("-", 2)
+            prompt_idx, sample_idx = int(prompt), int(sample)
+            str(fields["endpoint"])
+        except (VouchError, KeyError, ValueError) as exc:
+            log.warning("refused a rendezvous: %s", exc)
+            return JSONResponse({"error": f"rendezvous refused: {exc}"}, status_code=403)
+        pending = self.pending.get(rid)
         if pending is None:
-            return JSONResponse({"error": f"no request {body.get('id')!r} waits for a rendezvous"}, status_code=404)
-        child = body.get("child", 0)
-        if not isinstance(child, int) or not 0 <= child < pending.children or "endpoint" not in body:
-            return JSONResponse({"error": "a rendezvous needs an endpoint and a child index in range"}, status_code=400)
-        future = pending.futures[child]
+            return JSONResponse({"error": "no request waits for this rendezvous"}, status_code=404)
+        if not (0 <= prompt_idx < pending.prompts and 0 <= sample_idx < pending.samples):
+            return JSONResponse({"error": "a rendezvous for a child the request does not have"}, status_code=400)
+        future = pending.futures[prompt_idx * pending.samples + sample_idx]
         if not future.done():
-            future.set_result(body)
+            future.set_result(fields)
         return JSONResponse({"ok": True})
+
+    def may_read_requests(self, request: Request) -> bool:
+        """The request list names in-flight ids: only for holders of the operator token."""
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        return hmac.compare_digest(given, token(self.config.secret, "requests"))
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:
@@ -278,8 +337,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
         return proxy.rendezvous(body)
 
     @app.get("/v1/rd2h/requests")
-    async def requests() -> list[dict[str, Any]]:
-        return list(proxy.recent)
+    async def requests(request: Request) -> Response:
+        if not proxy.may_read_requests(request):
+            return JSONResponse({"error": "needs Authorization: Bearer <rd2h operator token>"}, status_code=401)
+        return JSONResponse(list(proxy.recent))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -7,9 +7,10 @@ Every key is optional::
      "mode": "dense",              # or "sfa"
      "request_timeout": 120.0,     # Decode: a request not pulled by then fails
      "reply_timeout": 30.0,        # Prefill: a Decode silent that long is abandoned
-     "metaserver": null,           # Decode: default rendezvous URL (the proxy sends its own)
+     "metaserver": null,           # Decode: the proxy's rendezvous URL (required on Decode)
      "metaserver_retries": 5,
-     "peer_tp": null}              # the other side's TP size, checked at startup where known
+     "peer_tp": null,              # the other side's TP size, checked at startup where known
+     "secret_file": null}          # the secret shared with the proxy (default: $RD2H_SECRET)
 
 Unknown keys are refused, so a misspelt option is an error at startup, not a silent default.
 """
@@ -46,6 +47,7 @@ class ConnectorConfig:
     metaserver: str | None = None
     metaserver_retries: int = 5
     peer_tp: int | None = None
+    secret_file: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

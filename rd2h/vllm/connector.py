@@ -26,6 +26,7 @@ from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.metadata import StepMetadata
 from rd2h.vllm.scheduler import RD2HScheduler
+from rd2h.vllm.vouch import load_secret
 from rd2h.vllm.worker import RD2HWorker
 
 try:  # vLLM >= 0.11: connectors that take every KV cache group at once
@@ -88,6 +89,12 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         self.rd2h_config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         consumer, producer = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
+        secret = load_secret(self.rd2h_config.secret_file)  # refused at startup, never per request
+        if consumer and not self.rd2h_config.metaserver:
+            raise ConfigError(
+                "a Decode engine (kv_consumer) needs kv_connector_extra_config 'metaserver': the proxy's "
+                "rendezvous URL (rd2h proxy --rendezvous-port); a request never names where Decode posts"
+            )
         parallel = vllm_config.parallel_config
         tp = int(parallel.tensor_parallel_size)
         dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
@@ -98,7 +105,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = RD2HScheduler(
                 self.rd2h_config, consumer=consumer, producer=producer, block_sizes=sizes, tp_size=tp,
-                dp_rank=dp_rank, world_size=int(parallel.world_size),
+                dp_rank=dp_rank, world_size=int(parallel.world_size), secret=secret,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -127,7 +134,10 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, StepMetadata):
-            self.worker.bind(connector_metadata)
+            try:  # each request's problem is settled inside; this only keeps a bug from the engine
+                self.worker.bind(connector_metadata)
+            except Exception:  # noqa: BLE001
+                log.exception("rd2h: applying a step's metadata failed; the engine goes on")
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -169,6 +179,16 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 finished_sending=sending, finished_recving=recving, failed_recving=failed
             )
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks a failed pull left unwritten, so that vLLM recomputes or fails the request
+        (its ``kv_load_failure_policy``) instead of decoding on them. A vLLM with
+        ``KVConnectorTransferResults`` takes the failed requests themselves (per request, every
+        KV cache group); only an older one needs the blocks (main group)."""
+        if self._worker is None:
+            return set()
+        errors = self._worker.load_errors()
+        return set() if KVConnectorTransferResults is not None else errors
+
     def build_connector_worker_meta(self) -> Any:
         return self.worker.worker_report()
 
@@ -180,11 +200,22 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     # -- scheduler side ------------------------------------------------------------------
 
+    # The per-request scheduler hooks settle what a request brings inside (rd2h.vllm.scheduler);
+    # the guards here only keep an unforeseen bug from killing the engine: the request then
+    # runs as a plain local one.
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # noqa: BLE001
+            log.exception("rd2h: request %s served locally after an error", getattr(request, "request_id", "?"))
+            return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:  # noqa: BLE001
+            log.exception("rd2h: request %s: error after allocation", getattr(request, "request_id", "?"))
 
     def requires_full_blocks_on_update_after_alloc(self) -> bool:
         """vllm-ascend: rd2h wants every block of the request (the whole table from 0)."""

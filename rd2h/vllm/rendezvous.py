@@ -15,31 +15,11 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["RendezvousPoster", "child_index", "ext_id_of"]
+__all__ = ["RendezvousPoster"]
 
 log = logging.getLogger("rd2h.vllm.rendezvous")
 
 Post = Callable[[str, Mapping[str, Any]], int]  # (url, json) -> HTTP status; raises on transport errors
-
-
-def child_index(params: Mapping[str, Any], req_id: str) -> int:
-    """Which prompt of an OpenAI prompt list ``req_id`` is: vLLM names the children of
-    request ``R`` ``R-<i>-<8 chars>``. A single prompt (``children`` 1) is child 0."""
-    children = int(params.get("children", 1))
-    if children <= 1:
-        return 0
-    try:
-        child = int(req_id.rsplit("-", 2)[-2])
-    except (IndexError, ValueError):
-        raise ValueError(f"request id {req_id!r} does not name a child of a prompt list") from None
-    if not 0 <= child < children:
-        raise ValueError(f"request id {req_id!r}: child {child} outside 0..{children - 1}")
-    return child
-
-
-def ext_id_of(params: Mapping[str, Any], req_id: str) -> str:
-    """The id both engines know a request by: the proxy's id and the child index."""
-    return f"{params['id']}-{child_index(params, req_id)}"
 
 
 def _httpx_post(timeout: float) -> Post:

@@ -1,14 +1,20 @@
 """The connector's scheduler side: which requests move, where, and when to say so.
 
+rd2h's part of a request's ``kv_transfer_params`` is accepted only when the proxy signed it
+(:mod:`rd2h.vllm.params`); anything else is served as a plain local request, logged and
+counted in ``stats["refused_params"]``. Nothing a client sends raises out of a hook.
+
 Decode (``kv_consumer``): a request whose ``kv_transfer_params`` say ``do_remote_prefill``
 reports its uncomputed prompt tokens as matched asynchronously (a local prefix-cache hit
-is honoured: only the rest is pulled). Its destination blocks, per KV cache group, go to
+is honoured: only the rest is pulled). Each engine request is pulled under an id of its own;
+a second live request claiming one (a replay) is served locally. Its destination blocks, per KV cache group, go to
 the workers in the next step's metadata and never leave Decode. Only once that step came
 back from every worker (their summed :class:`~rd2h.vllm.metadata.WorkerReport`) is the
-rendezvous posted to the metaserver: Prefill must not announce what Decode does not expect.
+rendezvous posted to the configured metaserver (never a URL a request names): Prefill must
+not announce what Decode does not expect.
 
 Prefill (``kv_producer``): a ``do_remote_decode`` request's source blocks are sent to the
-workers as vLLM allocates them, with the prompt tokens cached after each step;
+workers as vLLM allocates them, once per Decode request it serves (one per sample of ``n``), with the prompt tokens cached after each step;
 ``request_finished`` keeps the blocks until the workers report the request finished-sending,
 which they do once every Decode rank replied (also for aborted requests).
 """
@@ -16,7 +22,8 @@ which they do once every Decode rank replied (also for aborted requests).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,14 +39,14 @@ from rd2h.vllm.metadata import (
     StepMetadata,
     WorkerReport,
 )
-from rd2h.vllm.rendezvous import RendezvousPoster, child_index, ext_id_of
+from rd2h.vllm.params import PARAMS_KEY, Target, accept_decode, accept_prefill
+from rd2h.vllm.rendezvous import RendezvousPoster
+from rd2h.vllm.vouch import sign
 from rd2h.wire.endpoint import DecodeEndpoint
 
 __all__ = ["PARAMS_KEY", "RD2HScheduler"]
 
 log = logging.getLogger("rd2h.vllm.scheduler")
-
-PARAMS_KEY = "rd2h"  # our part of kv_transfer_params: {"id", "children", "metaserver" | "targets"}
 
 
 def _groups(blocks: Any) -> Groups:
@@ -55,7 +62,6 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 @dataclass
 class _Recv:
     ext_id: str
-    url: str | None
     body: dict[str, Any]
     posted: bool = False
     # a vLLM without worker reports: the step that carried it came back (on every worker:
@@ -68,9 +74,7 @@ class _Recv:
 
 @dataclass
 class _Send:
-    ext_id: str
-    endpoint: str
-    first_block: int
+    targets: list[Target]  # one per Decode request (sample) this request's blocks serve
     num_tokens: int
     started: bool = False  # its first blocks went to the workers
     done: bool = False  # every prompt token was scheduled
@@ -92,21 +96,27 @@ class RD2HScheduler:
         dp_rank: int = 0,
         world_size: int = 1,
         poster: RendezvousPoster | None = None,
+        secret: bytes,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.consumer, self.producer = consumer, producer
         self.block_sizes = tuple(block_sizes)
         self.world_size = world_size
+        self._secret, self._clock = secret, clock
         self.endpoint = DecodeEndpoint(config.advertised, base_port(config.kv_port, dp_rank, tp_size), tp_size)
         self._poster = poster if poster is not None or not consumer else RendezvousPoster(
             retries=config.metaserver_retries
         )
         self._recv: dict[str, _Recv] = {}  # req id -> waiting for KV
+        self._claims: dict[str, str] = {}  # ext id -> the live req id pulling it (Decode)
+        self._claimed: dict[str, str] = {}  # the reverse: req id -> its ext id
         self._recv_new: list[RecvSpec] = []
         self._recv_abort: list[str] = []
         self._send: dict[str, _Send] = {}  # req id -> being sent
+        self._sending: dict[str, str] = {}  # ext id -> the req id sending it (Prefill)
         self._send_finish: list[SendFinish] = []
-        self.stats = {"pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0}
+        self.stats = {"pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0, "refused_params": 0}
 
     # -- Decode --------------------------------------------------------------------------
 
@@ -114,14 +124,32 @@ class RD2HScheduler:
         params = _params(request)
         if not (self.consumer and params.get("do_remote_prefill")):
             return 0, False
-        ours = _ours(params, request.request_id, "metaserver")
-        if ours is None:
-            return 0, False
-        if not (ours.get("metaserver") or self.config.metaserver):
-            log.error("request %s: no metaserver to post its rendezvous to; computed here", request.request_id)
+        if self._claim(request, params) is None:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _claim(self, request: Any, params: Mapping[str, Any]) -> str | None:
+        """The ext id ``request`` pulls, claimed for it; None (logged, counted: the request is
+        computed here) when its parameters are not vouched for or another live request holds
+        that id."""
+        req_id = request.request_id
+        try:
+            ext_id, _, _ = accept_decode(self._secret, params.get(PARAMS_KEY), req_id, self._clock())
+        except ValueError as exc:
+            return self._refuse(req_id, str(exc))
+        holder = self._claims.setdefault(ext_id, req_id)
+        if holder != req_id:
+            return self._refuse(req_id, f"id {ext_id} is already pulled by live request {holder}")
+        self._claimed[req_id] = ext_id
+        return ext_id
+
+    def _refuse(self, req_id: str, why: str) -> None:
+        self.stats["refused_params"] += 1
+        log.warning(
+            "request %s: rd2h kv_transfer_params refused (%s); served without a transfer (%d refused so far)",
+            req_id, why, self.stats["refused_params"],
+        )  # fmt: skip
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = _params(request)
@@ -129,8 +157,9 @@ class RD2HScheduler:
             self._track_send(request, params)
         if not (self.consumer and params.get("do_remote_prefill") and num_external_tokens > 0):
             return
-        ours = params[PARAMS_KEY]
-        ext_id = ext_id_of(ours, request.request_id)
+        ext_id = self._claim(request, params)
+        if ext_id is None:  # not after get_num_new_matched_tokens accepted it (the same check)
+            return
         num_tokens = len(request.prompt_token_ids)
         local = num_tokens - num_external_tokens  # a block-aligned local prefix-cache hit
         first_block = local // self.block_sizes[0]
@@ -139,11 +168,10 @@ class RD2HScheduler:
         )
         self._recv_new.append(RecvSpec(ext_id, request.request_id, groups, first_block, num_tokens))
         body = {
-            "id": ours["id"], "child": child_index(ours, request.request_id), "ext_id": ext_id,
-            "endpoint": str(self.endpoint), "first_block": first_block, "num_tokens": num_tokens,
+            "ext_id": ext_id, "endpoint": str(self.endpoint), "first_block": first_block, "num_tokens": num_tokens,
             "decode_tp": self.endpoint.tp_size, "block_size": self.block_sizes[0], "mode": self.config.mode.value,
-        }
-        self._recv[request.request_id] = _Recv(ext_id, ours.get("metaserver") or self.config.metaserver, body)
+        }  # fmt: skip
+        self._recv[request.request_id] = _Recv(ext_id, body)
         self.stats["pulled_tokens"] += num_external_tokens
         self.stats["prefix_hit_tokens"] += local
         # consumed: a second allocation for this request (after the load) must not pull again
@@ -163,26 +191,30 @@ class RD2HScheduler:
                 self._post(recv)
 
     def _post(self, recv: _Recv) -> None:
-        if recv.url is None:
-            log.error("request %s: no metaserver to post its rendezvous to", recv.ext_id)
+        if self.config.metaserver is None:  # refused at startup; kept for unit-built schedulers
+            log.error("request %s: no metaserver configured to post its rendezvous to", recv.ext_id)
             return
         assert self._poster is not None
         self.stats["rendezvous"] += 1
-        self._poster.submit(recv.ext_id, recv.url, recv.body)
+        self._poster.submit(recv.ext_id, self.config.metaserver, sign(self._secret, recv.body, self._clock()))
 
     # -- Prefill -------------------------------------------------------------------------
 
     def _track_send(self, request: Any, params: Mapping[str, Any]) -> None:
-        if request.request_id in self._send:
+        req_id = request.request_id
+        if req_id in self._send:
             return
-        ours = _ours(params, request.request_id, "targets")
-        if ours is None:  # computed as asked, nothing sent: Decode fails it on its deadline
+        try:
+            targets = accept_prefill(self._secret, params.get(PARAMS_KEY), req_id, self._clock())
+        except ValueError as exc:  # computed as asked, nothing sent
+            self._refuse(req_id, str(exc))
             return
-        target = ours["targets"][str(child_index(ours, request.request_id))]
-        self._send[request.request_id] = _Send(
-            ext_id_of(ours, request.request_id), target["endpoint"], int(target.get("first_block", 0)),
-            len(request.prompt_token_ids),
-        )
+        taken = [t.ext_id for t in targets if t.ext_id in self._sending]
+        if taken:
+            self._refuse(req_id, f"id {taken[0]} is already sent by live request {self._sending[taken[0]]}")
+            return
+        self._send[req_id] = _Send(targets, len(request.prompt_token_ids))
+        self._sending.update((t.ext_id, req_id) for t in targets)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
         send_new: list[SendSpec] = []
@@ -194,10 +226,12 @@ class RD2HScheduler:
             if send is None or send.started:
                 continue
             send.started = True
-            send_new.append(
-                SendSpec(send.ext_id, new.req_id, send.endpoint, _groups(new.block_ids), send.num_tokens, send.first_block)
-            )
-            computed.append(self._computed(send, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
+            groups = _groups(new.block_ids)
+            send_new += [
+                SendSpec(t.ext_id, new.req_id, str(t.endpoint), groups, send.num_tokens, t.first_block)
+                for t in send.targets
+            ]
+            computed += self._computed(send, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         send_abort: list[str] = []
@@ -208,14 +242,16 @@ class RD2HScheduler:
             if req_id in resumed:
                 # preempted: vLLM freed its blocks and gives it new ones; what was announced
                 # is gone. Stop it (Decode fails it); its blocks are vLLM's to free again.
-                log.error("request %s was preempted while its KV was being sent; it fails", send.ext_id)
+                log.error("request %s was preempted while its KV was being sent; it fails", req_id)
                 del self._send[req_id]
-                send_abort.append(send.ext_id)
+                for target in send.targets:
+                    self._sending.pop(target.ext_id, None)
+                send_abort += [t.ext_id for t in send.targets]
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None and any(new_ids):
-                send_blocks.append(SendBlocks(send.ext_id, _groups(new_ids)))
-            computed.append(self._computed(send, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)))
+                send_blocks += [SendBlocks(t.ext_id, _groups(new_ids)) for t in send.targets]
+            computed += self._computed(send, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for spec in self._recv_new:
             recv = self._recv.get(spec.req_id)
             if recv is not None:
@@ -229,15 +265,18 @@ class RD2HScheduler:
         return meta
 
     @staticmethod
-    def _computed(send: _Send, tokens: int) -> tuple[str, int]:
+    def _computed(send: _Send, tokens: int) -> list[tuple[str, int]]:
         tokens = min(tokens, send.num_tokens)
         send.done = tokens >= send.num_tokens
-        return send.ext_id, tokens
+        return [(t.ext_id, tokens) for t in send.targets]
 
     # -- both ----------------------------------------------------------------------------
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        claimed = self._claimed.pop(req_id, None)
+        if claimed is not None:
+            del self._claims[claimed]
         recv = self._recv.pop(req_id, None)
         if recv is not None:  # finished while its KV was awaited: stop the pull
             if not recv.posted and self._poster is not None:
@@ -249,10 +288,12 @@ class RD2HScheduler:
         send = self._send.pop(req_id, None)
         if send is None:
             return False, None
+        for target in send.targets:
+            self._sending.pop(target.ext_id, None)
         if not send.started:  # never reached a worker: nothing reads its blocks
             return False, None
         aborted = not send.done or "ABORTED" in str(getattr(request, "status", ""))
-        self._send_finish.append(SendFinish(send.ext_id, req_id, aborted))
+        self._send_finish += [SendFinish(t.ext_id, req_id, aborted) for t in send.targets]
         return True, None
 
     def shutdown(self) -> None:
@@ -262,24 +303,3 @@ class RD2HScheduler:
 
 def _params(request: Any) -> Mapping[str, Any]:
     return getattr(request, "kv_transfer_params", None) or {}
-
-
-def _ours(params: Mapping[str, Any], req_id: str, needs: str) -> Mapping[str, Any] | None:
-    """Our part of a request's ``kv_transfer_params`` when it is well formed, else None
-    (logged): a client's malformed parameters must never raise inside vLLM's scheduler."""
-    ours = params.get(PARAMS_KEY)
-    try:
-        if not isinstance(ours, Mapping) or not isinstance(ours.get("id"), str):
-            raise TypeError(f"{PARAMS_KEY!r} must be an object with a string 'id'")
-        child = child_index(ours, req_id)
-        if needs == "targets":
-            target = ours["targets"][str(child)]
-            DecodeEndpoint.parse(target["endpoint"])
-            int(target.get("first_block", 0))
-        elif needs == "metaserver" and not isinstance(ours.get("metaserver", ""), str):
-            raise ValueError("'metaserver' must be a URL")
-    except (KeyError, TypeError, ValueError) as exc:
-        log.error("request %s: ignoring malformed kv_transfer_params %r: %s", req_id, params.get(PARAMS_KEY), exc)
-        return None
-    return ours
-

@@ -109,10 +109,14 @@ class RD2HWorker:
         self._bound: StepMetadata | None = None
         self._sends = False  # this step announces layers
         self._recv_req: dict[str, str] = {}  # ext id -> req id (Decode)
+        self._recv_blocks: dict[str, tuple[int, ...]] = {}  # ext id -> main blocks it writes (Decode)
+        self._load_errors: set[int] = set()  # blocks of failed pulls not yet reported (Decode)
         self._expected: dict[str, int] = {}  # expected in this step (reported back)
         self._send_req: dict[str, str] = {}  # ext id -> req id (Prefill)
+        self._send_exts: dict[str, set[str]] = {}  # req id -> its ext ids not yet finished (one per sample)
         self._sent: dict[str, Outcome] = {}  # outcomes whose request vLLM has not finished yet
-        self._finishing: set[str] = set()  # ext ids vLLM finished, outcome not yet in
+        self._finishing: set[tuple[str, str]] = set()  # (ext id, req id) vLLM finished, outcome not yet in
+        self._duplicates: set[tuple[str, str]] = set()  # (ext id, req id) refused as another's id: never sent
         self._forget: set[str] = set()  # ext ids aborted on preemption: outcome not reported
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -144,8 +148,10 @@ class RD2HWorker:
             self.source = KVSource(
                 layouts, block_size=self.block_sizes[0], rank=self.rank, tp_size=self.tp_size,
                 engine=cfg.engine, engine_options=cfg.engine_options, channel=cfg.channel,
-                channel_options=cfg.channel_options, reply_timeout=cfg.reply_timeout, **extra,
-            )
+                channel_options=cfg.channel_options, reply_timeout=cfg.reply_timeout,
+                reuse_slots=False,  # a block is the request's until finished-sending: nothing waits
+                **extra,
+            )  # fmt: skip
         log.info(
             "rd2h worker rank %d/%d: %d layers, mode %s, %s", self.rank, self.tp_size, len(layouts),
             cfg.mode.value, "decode" if self.consumer else "prefill",
@@ -166,58 +172,103 @@ class RD2HWorker:
     def _apply_recv(self, meta: StepMetadata) -> None:
         for spec in meta.recv:
             indexer = spec.blocks[1] if self.config.mode is Mode.SFA and len(spec.blocks) > 1 else None
-            self._recv_req[spec.ext_id] = spec.req_id
+            if spec.ext_id in self._recv_req:  # the scheduler claims each id once: a second is refused
+                self._recv_failed(spec.req_id, f"{spec.ext_id} is already expected for {self._recv_req[spec.ext_id]}")
+                continue
             try:
                 self.sink.expect(spec.ext_id, spec.blocks[0], indexer, first_block=spec.first_block)
-            except RD2HError as exc:  # refused destinations: fail it, vLLM frees it
-                log.error("Decode rank %d: cannot expect %s: %s", self.rank, spec.ext_id, exc)
-                self._failed_recving.add(spec.req_id)
-                self._finished_recving.add(spec.req_id)
-                self._recv_req.pop(spec.ext_id, None)
+            except Exception as exc:  # noqa: BLE001 - this request's problem, never the engine's
+                self._recv_failed(spec.req_id, f"cannot expect {spec.ext_id}: {exc}")
                 continue
+            self._recv_req[spec.ext_id] = spec.req_id
+            self._recv_blocks[spec.ext_id] = spec.blocks[0][spec.first_block :]
             self._expected[spec.ext_id] = 1
         for ext_id in meta.recv_abort:
-            self.sink.abort(ext_id)  # reported ABORTED through take(), once no read writes it
+            try:
+                self.sink.abort(ext_id)  # reported ABORTED through take(), once no read writes it
+            except Exception:  # noqa: BLE001
+                log.exception("Decode rank %d: aborting %s failed", self.rank, ext_id)
+
+    def _recv_failed(self, req_id: str, why: str) -> None:
+        """A pull that cannot start: the request fails now (vLLM frees or recomputes it)."""
+        log.error("Decode rank %d: request %s: %s", self.rank, req_id, why)
+        self._failed_recving.add(req_id)
+        self._finished_recving.add(req_id)
 
     def _apply_send(self, meta: StepMetadata) -> None:
         for spec in meta.send_new:
+            if spec.ext_id in self._send_req:  # the scheduler claims each id once: a second is refused
+                log.error("Prefill rank %d: request %s: %s is already sent by request %s", self.rank,
+                          spec.req_id, spec.ext_id, self._send_req[spec.ext_id])  # fmt: skip
+                self._duplicates.add((spec.ext_id, spec.req_id))
+                continue
+            self._send_exts.setdefault(spec.req_id, set()).add(spec.ext_id)
             self._send_req[spec.ext_id] = spec.req_id
-            self.source.add_request(
-                spec.ext_id, DecodeEndpoint.parse(spec.endpoint), main_block_ids=spec.blocks[0],
-                indexer_block_ids=self._indexer(spec.blocks), num_tokens=spec.num_tokens,
-                first_block=spec.first_block,
-            )
+            try:
+                self.source.add_request(
+                    spec.ext_id, DecodeEndpoint.parse(spec.endpoint), main_block_ids=spec.blocks[0],
+                    indexer_block_ids=self._indexer(spec.blocks), num_tokens=spec.num_tokens,
+                    first_block=spec.first_block,
+                )  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - this request's problem, never the engine's
+                self._send_refused(spec.ext_id, spec.req_id, exc)
         for more in meta.send_blocks:
-            indexer = self._indexer(more.blocks)
-            self.source.extend(more.ext_id, main_block_ids=more.blocks[0], indexer_block_ids=indexer or ())
-        self._sends = bool(meta.computed)
+            if more.ext_id in self._sent:
+                continue  # refused or already ended: nothing more to announce
+            try:
+                self.source.extend(more.ext_id, main_block_ids=more.blocks[0], indexer_block_ids=self._indexer(more.blocks) or ())
+            except Exception as exc:  # noqa: BLE001
+                log.error("Prefill rank %d: %s: more blocks refused: %s", self.rank, more.ext_id, exc)
+        computed = {e: t for e, t in meta.computed if e not in self._sent}
+        self._sends = bool(computed)
         if self._sends:
-            for ext_id, error in self.source.schedule(dict(meta.computed)).items():
+            for ext_id, error in self.source.schedule(computed).items():
                 log.error("Prefill rank %d: %s not scheduled: %s", self.rank, ext_id, error)
         for ext_id in meta.send_abort:
             self._forget.add(ext_id)
-            self._send_req.pop(ext_id, None)
-            try:
-                self.source.abort(ext_id)
-            except UnknownRequestError:
-                pass
+            req_id = self._send_req.pop(ext_id, None)
+            self._send_exts.pop(req_id, None)
+            self._sent.pop(ext_id, None)
+            self._quiet_abort(ext_id)
         for finish in meta.send_finish:
-            self._finishing.add(finish.ext_id)
+            key = (finish.ext_id, finish.req_id)
+            if key in self._duplicates:  # it never reached the source: vLLM may free it now
+                self._duplicates.discard(key)
+                self._finished_sending.add(finish.req_id)
+                continue
+            self._finishing.add(key)
             if finish.aborted:
-                try:
-                    self.source.abort(finish.ext_id)
-                except UnknownRequestError:  # already settled and collected
-                    pass
+                self._quiet_abort(finish.ext_id)
+
+    def _send_refused(self, ext_id: str, req_id: str, error: BaseException) -> None:
+        """add_request refused it (a bad endpoint, TP ratio or block): it ends FAILED at once,
+        Decode fails it on its deadline, and vLLM gets the request back at its finish."""
+        log.error("Prefill rank %d: request %s (%s) is not sent: %s", self.rank, req_id, ext_id, error)
+        reason = error if isinstance(error, RD2HError) else RD2HError(str(error))
+        self._sent[ext_id] = Outcome(ext_id, TerminalState.FAILED, reason, 0, 0.0, 0.0)
+
+    def _quiet_abort(self, ext_id: str) -> None:
+        try:
+            self.source.abort(ext_id)
+        except UnknownRequestError:  # already settled and collected
+            pass
+        except Exception:  # noqa: BLE001
+            log.exception("Prefill rank %d: aborting %s failed", self.rank, ext_id)
 
     def _indexer(self, blocks: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
         return blocks[1] if self.config.mode is Mode.SFA and len(blocks) > 1 else None
 
     def save_layer(self, layer_name: str, kv_layer: Any) -> None:
-        """Prefill: the layer is written for this step; announce it."""
+        """Prefill: the layer is written for this step; announce it. Never waits on Decode
+        (no slot is reused) and never raises into vLLM's forward: a layer that cannot be
+        announced is logged, and Decode fails the requests that miss it (a final signal that
+        does not cover every layer is refused)."""
         if not self._sends or layer_name not in self._tensors:
             return
-        self.source.wait_for_layer_send(layer_name)
-        self.source.layer_ready(layer_name, record_event(kv_layer))
+        try:
+            self.source.layer_ready(layer_name, record_event(kv_layer))
+        except Exception:  # noqa: BLE001
+            log.exception("Prefill rank %d: layer %r could not be announced", self.rank, layer_name)
 
     def step_done(self) -> None:
         self._sends = False
@@ -230,12 +281,14 @@ class RD2HWorker:
         if self.sink is not None:
             for ext_id, outcome in self.sink.take().items():
                 req_id = self._recv_req.pop(ext_id, None)
+                blocks = self._recv_blocks.pop(ext_id, ())
                 if req_id is None:
                     continue
                 if not outcome.ok:
                     level = logging.INFO if outcome.state is TerminalState.ABORTED else logging.WARNING
                     log.log(level, "Decode rank %d: %s %s: %s", self.rank, ext_id, outcome.state.name, outcome.error)
                     self._failed_recving.add(req_id)
+                    self._load_errors.update(blocks)
                 self._finished_recving.add(req_id)
         if self.source is not None:
             for ext_id, outcome in self._take_sent().items():
@@ -243,17 +296,28 @@ class RD2HWorker:
                     self._forget.discard(ext_id)
                 else:
                     self._sent[ext_id] = outcome
-            for ext_id in list(self._finishing):
+            for ext_id, req_id in list(self._finishing):
                 outcome = self._sent.pop(ext_id, None)
                 if outcome is None:
                     continue
                 if not outcome.ok:
                     log.warning("Prefill rank %d: %s %s: %s", self.rank, ext_id, outcome.state.name, outcome.error)
-                self._finishing.discard(ext_id)
-                self._finished_sending.add(self._send_req.pop(ext_id))
+                self._finishing.discard((ext_id, req_id))
+                self._send_req.pop(ext_id, None)
+                waiting = self._send_exts.get(req_id, set())
+                waiting.discard(ext_id)
+                if not waiting:  # every sample's Decode is done with the blocks
+                    self._send_exts.pop(req_id, None)
+                    self._finished_sending.add(req_id)
         results = self._finished_sending, self._finished_recving, self._failed_recving
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return results
+
+    def load_errors(self) -> set[int]:
+        """Block ids (main group) that failed pulls left unwritten since the last call: for a
+        vLLM that takes failures only as ``get_block_ids_with_load_errors``."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def _wait_when_idle(self) -> None:
         """A step with nothing to compute and transfers in flight comes back at once, and vLLM

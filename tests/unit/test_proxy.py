@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import httpx
 import pytest
 
 from rd2h.proxy import ProxyConfig, create_app
-from rd2h.proxy.app import children_of
+from rd2h.proxy.app import children_of, prefill_body, shape_of
+from rd2h.vllm.params import accept_prefill
+from rd2h.vllm.vouch import sign, token, verify
 
 PREFILL, DECODE = "http://prefill", "http://decode"
+SECRET = b"rd2h-proxy-test-secret-012345678"
+RENDEZVOUS = "/v1/rd2h/rendezvous"
+OPERATOR = {"Authorization": f"Bearer {token(SECRET, 'requests')}"}
 
 
 class Engines:
-    """Decode posts one rendezvous per child, then waits for Prefill; Prefill records."""
+    """Decode posts one signed rendezvous per child, then waits for Prefill; Prefill records."""
 
     def __init__(self, proxy: httpx.AsyncClient, *, prefill_fails: bool = False) -> None:
         self.proxy, self.prefill_fails = proxy, prefill_fails
@@ -39,19 +45,20 @@ class Engines:
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
         self.decode_bodies.append(body)
         self.decode_hosts.append(request.url.host)
-        ours = body["kv_transfer_params"]["rd2h"]
-        for child in range(ours["children"]):
-            answer = await self.proxy.post(ours["metaserver"], json={
-                "id": ours["id"], "child": child, "endpoint": "127.0.0.1:5600/1", "first_block": child,
-            })
+        ours = verify(SECRET, body["kv_transfer_params"]["rd2h"], time.time())
+        children = ours["prompts"] * ours["samples"]
+        for child in range(children):
+            prompt, sample = divmod(child, ours["samples"])
+            rendezvous = {"ext_id": f"{ours['id']}-{prompt}-{sample}", "endpoint": "127.0.0.1:5600/1", "first_block": child}
+            answer = await self.proxy.post(RENDEZVOUS, json=sign(SECRET, rendezvous, time.time()))
             assert answer.status_code == 200
         await asyncio.wait_for(self.prefilled.wait(), 5)
-        return httpx.Response(200, json={"choices": [{"index": i, "text": "decoded"} for i in range(ours["children"])]})
+        return httpx.Response(200, json={"choices": [{"index": i, "text": "decoded"} for i in range(children)]})
 
 
 def run(coro_fn: Any, *, prefill_fails: bool = False, decode: tuple[str, ...] = (DECODE,)) -> Any:
     async def main() -> Any:
-        app = create_app(ProxyConfig(prefill=[PREFILL], decode=list(decode), retries=1, backoff=0.01))
+        app = create_app(ProxyConfig(prefill=[PREFILL], decode=list(decode), secret=SECRET, retries=1, backoff=0.01))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
             engines = Engines(client, prefill_fails=prefill_fails)
             app.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
@@ -70,9 +77,11 @@ def test_decode_first_then_prefill_once_for_a_prompt_list() -> None:
         (prefill,) = engines.prefill_bodies
         assert prefill["max_tokens"] == 1 and prefill["stream"] is False and "stream_options" not in prefill
         params = prefill["kv_transfer_params"]
-        assert params["do_remote_decode"] and params["rd2h"]["children"] == 3
-        assert params["rd2h"]["targets"]["2"] == {"endpoint": "127.0.0.1:5600/1", "first_block": 2}
-        record = (await client.get("/v1/rd2h/requests")).json()[-1]
+        assert params["do_remote_decode"] and params["rd2h"]["prompts"] == 3
+        (target,) = accept_prefill(SECRET, params["rd2h"], "cmpl-x-2-abcdef12", time.time())  # signed for Prefill
+        assert (str(target.endpoint), target.first_block) == ("127.0.0.1:5600/1", 2)
+        assert (await client.get("/v1/rd2h/requests")).status_code == 401  # in-flight ids: operators only
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
         assert record["status"] == 200 and [c["first_block"] for c in record["children"]] == [0, 1, 2]
         assert (await client.get("/health")).json() == {"status": "ok", "pending": 0}
 
@@ -90,9 +99,14 @@ def test_prefill_failure_is_a_502_and_nothing_stays_pending() -> None:
     run(scenario, prefill_fails=True)
 
 
-def test_metaserver_refuses_unknown_ids_and_bad_bodies() -> None:
+def test_metaserver_refuses_unknown_ids_unsigned_and_bad_bodies() -> None:
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
-        assert (await client.post("/v1/rd2h/rendezvous", json={"id": "nope", "endpoint": "h:1/1"})).status_code == 404
+        unknown = sign(SECRET, {"ext_id": "ab" * 16 + "-0-0", "endpoint": "h:1/1"}, time.time())
+        assert (await client.post(RENDEZVOUS, json=unknown)).status_code == 404
+        unsigned = {"ext_id": "ab" * 16 + "-0-0", "endpoint": "h:1/1"}
+        assert (await client.post(RENDEZVOUS, json=unsigned)).status_code == 403
+        forged = sign(b"not-the-proxy-secret-0123456789", unsigned, time.time())
+        assert (await client.post(RENDEZVOUS, json=forged)).status_code == 403
         assert (await client.post("/v1/rd2h/rendezvous", content=b"{")).status_code == 400
         assert (await client.post("/v1/rd2h/rendezvous", json=[1])).status_code == 400
         assert (await client.post("/v1/completions", content=b"not json")).status_code == 400
@@ -116,7 +130,7 @@ def test_proxy_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         main(["proxy", "--help"])
     text = capsys.readouterr().out
-    for option in ("--host", "--port", "--prefill", "--decode", "--metaserver-url", "--rendezvous-timeout",
+    for option in ("--host", "--port", "--prefill", "--decode", "--secret-file", "--rendezvous-timeout",
                    "--request-timeout", "--retries", "--backoff", "--log-level"):
         assert option in text
 
@@ -131,3 +145,62 @@ def test_round_robin_skips_an_instance_that_refuses_connections() -> None:
         assert engines.decode_hosts == ["d1", "d2"]
 
     run(scenario, decode=("http://d1", "http://down", "http://d2"))
+
+
+def test_a_client_cannot_hijack_another_clients_rendezvous() -> None:
+    """The attack of issue 18: a client posts its own endpoint for a request in flight. Without
+    the secret its rendezvous is refused, and Prefill is given the Decode's endpoint only."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        victim = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 2}))
+        while not engines.decode_bodies:
+            await asyncio.sleep(0)
+        rid = verify(SECRET, engines.decode_bodies[0]["kv_transfer_params"]["rd2h"], time.time())["id"]
+        forged = {"ext_id": f"{rid}-0-0", "endpoint": "attacker.example:6666/1", "id": rid, "child": 0}
+        assert (await client.post(RENDEZVOUS, json=forged, headers={"Host": "attacker.example"})).status_code == 403
+        assert (await victim).status_code == 200
+        (prefill,) = engines.prefill_bodies
+        (target,) = accept_prefill(SECRET, prefill["kv_transfer_params"]["rd2h"], "cmpl-a-0-abcdef12", time.time())
+        assert str(target.endpoint) == "127.0.0.1:5600/1"
+
+    run(scenario)
+
+
+def test_n_samples_get_one_rendezvous_each_and_prefill_computes_one() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        body = {"model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 3, "min_tokens": 2, "best_of": 2}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200 and len(response.json()["choices"]) == 4
+        (decode,) = engines.decode_bodies
+        assert (decode["n"], decode["min_tokens"]) == (2, 2)  # Decode serves the client as asked
+        (prefill,) = engines.prefill_bodies
+        assert "n" not in prefill and "min_tokens" not in prefill and "best_of" not in prefill
+        targets = accept_prefill(SECRET, prefill["kv_transfer_params"]["rd2h"], "cmpl-x-1-abcdef12", time.time())
+        assert [t.first_block for t in targets] == [2, 3]  # prompt 1's two samples
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [({"prompt": "a", "n": 0}, "n must be"), ({"prompt": "a", "n": "2"}, "n must be"),
+     ({"prompt": ["a"] * 3000, "n": 2}, "more than"), ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
+     ({"prompt": "a", "echo": True, "logprobs": 1}, "prompt_logprobs")],
+)
+def test_what_rd2h_cannot_serve_is_a_clear_400(body: dict[str, Any], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        shape_of(body, "/v1/completions")
+
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 400 and why in response.json()["error"]["message"]
+        assert not engines.decode_bodies and not engines.prefill_bodies
+
+    run(scenario)
+
+
+def test_the_prefill_leg_changes_only_what_it_must() -> None:
+    body = {"prompt": "a", "max_tokens": 9, "min_tokens": 8, "n": 2, "stream": True, "stream_options": {},
+            "seed": 3, "stop": ["x"], "logprobs": 2, "response_format": {"type": "json_object"}}
+    leg = prefill_body(body)
+    assert leg == {"prompt": "a", "max_tokens": 1, "stream": False, "seed": 3, "stop": ["x"], "logprobs": 2,
+                   "response_format": {"type": "json_object"}}

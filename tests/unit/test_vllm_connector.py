@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_kit import make_request, make_scheduler, runner_output, write_model
+from vllm_kit import SECRET, make_request, make_scheduler, runner_output, write_model
 
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
-from rd2h.vllm.rendezvous import RendezvousPoster, child_index, ext_id_of
+from rd2h.vllm.params import decode_fields, ext_id, prompt_index, sample_index
+from rd2h.vllm.rendezvous import RendezvousPoster
 
 
 def test_registration_is_idempotent_and_the_module_path_works() -> None:
@@ -66,12 +68,16 @@ def test_poster_cancel_and_close_drop_what_is_not_posted() -> None:
     assert "b" not in calls
 
 
-def test_child_index_of_prompt_list_children() -> None:
-    assert child_index({"children": 1}, "chatcmpl-abc-12345678") == 0
-    assert child_index({"children": 3}, "cmpl-abc-2-12345678") == 2
-    assert ext_id_of({"id": "p", "children": 3}, "cmpl-abc-1-12345678") == "p-1"
-    with pytest.raises(ValueError):
-        child_index({"children": 2}, "cmpl-abc-7-12345678")
+def test_prompt_and_sample_of_an_engine_request() -> None:
+    """vLLM names prompt-list children <id>-<i>-<8 chars> and the samples of n <k>_<that>."""
+    assert prompt_index("chatcmpl-abc-12345678", 1) == 0
+    assert prompt_index("cmpl-abc-2-12345678", 3) == 2
+    assert sample_index("1_cmpl-abc-2-12345678", 2) == 1 and sample_index("cmpl-abc-12345678", 1) == 0
+    assert ext_id("ab", 1, 0) == "ab-1-0"
+    for bad in (lambda: prompt_index("cmpl-abc-7-12345678", 2), lambda: sample_index("cmpl-abc-12345678", 2),
+                lambda: sample_index("5_cmpl-abc-12345678", 2)):
+        with pytest.raises(ValueError):
+            bad()
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +87,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_first_child_of_upstream_multiconnector(model: Path) -> None:
     """Listed first under MultiConnector, rd2h's Decode flow runs unchanged."""
-    extra = {"connectors": [{"kv_connector": "RD2HConnector", "kv_role": "kv_consumer"},
+    (model / "rd2h.secret").write_bytes(SECRET)
+    ours_config = {"secret_file": str(model / "rd2h.secret"), "metaserver": "http://x"}
+    extra = {"connectors": [{"kv_connector": "RD2HConnector", "kv_role": "kv_consumer",
+                             "kv_connector_extra_config": ours_config},
                             {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer",
                              "kv_connector_extra_config": {"shared_storage_path": str(model / "store")}}]}
     from vllm.config import KVTransferConfig  # noqa: F401 - vLLM must accept the nesting
 
     scheduler, _ = make_scheduler(model, "kv_consumer", connector="MultiConnector", extra=extra)
     ours = scheduler.connector._connectors[0]
-    params = {"do_remote_prefill": True, "rd2h": {"id": "m", "children": 1, "metaserver": "http://x"}}
+    rid = "6d" * 16
+    params = {"do_remote_prefill": True, "rd2h": decode_fields(SECRET, rid, 1, 1, time.time())}
     scheduler.add_request(make_request("cmpl-m-0-abcdef12", 70, params))
     out = scheduler.schedule()
     metas = out.kv_connector_metadata.metadata
-    assert isinstance(metas[0], StepMetadata) and [s.ext_id for s in metas[0].recv] == ["m-0"]
+    assert isinstance(metas[0], StepMetadata) and [s.ext_id for s in metas[0].recv] == [f"{rid}-0-0"]
     assert out.total_num_scheduled_tokens == 0
     scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=None))
     ours.shutdown()

@@ -6,13 +6,16 @@ The tests play the workers: each step's ``SchedulerOutput`` carries our metadata
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_kit import make_request, make_scheduler, runner_output, write_model
+from vllm_kit import SECRET, make_request, make_scheduler, runner_output, write_model
 
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
+from rd2h.vllm.params import decode_fields, prefill_fields
+from rd2h.vllm.vouch import verify
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +23,25 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("llama"))
 
 
-def decode_params(rid: str = "r1", children: int = 1) -> dict[str, Any]:
-    return {"do_remote_prefill": True, "rd2h": {"id": rid, "children": children, "metaserver": "http://proxy/rdv"}}
+def hexid(tag: str) -> str:
+    """A proxy-like id (hex) for a readable tag."""
+    return tag.encode().hex().ljust(32, "0")
 
 
-def prefill_params(rid: str = "r1", endpoint: str = "127.0.0.1:5600/1", first_block: int = 0) -> dict[str, Any]:
-    return {"do_remote_decode": True,
-            "rd2h": {"id": rid, "children": 1, "targets": {"0": {"endpoint": endpoint, "first_block": first_block}}}}
+def ext(tag: str, prompt: int = 0, sample: int = 0) -> str:
+    return f"{hexid(tag)}-{prompt}-{sample}"
+
+
+def decode_params(rid: str = "r1", prompts: int = 1, samples: int = 1, *, now: float | None = None) -> dict[str, Any]:
+    fields = decode_fields(SECRET, hexid(rid), prompts, samples, time.time() if now is None else now)
+    return {"do_remote_prefill": True, "rd2h": fields}
+
+
+def prefill_params(
+    rid: str = "r1", endpoint: str = "127.0.0.1:5600/1", first_block: int = 0, samples: int = 1
+) -> dict[str, Any]:
+    targets = {0: [{"endpoint": endpoint, "first_block": first_block + s} for s in range(samples)]}
+    return {"do_remote_decode": True, "rd2h": prefill_fields(SECRET, hexid(rid), 1, samples, targets, time.time())}
 
 
 def meta_of(output: Any) -> StepMetadata:
@@ -42,13 +57,14 @@ def test_decode_pulls_the_prompt_and_posts_only_after_every_worker_expects_it(mo
     out = scheduler.schedule()
     assert out.total_num_scheduled_tokens == 0  # waiting for remote KV
     (spec,) = meta_of(out).recv
-    assert (spec.ext_id, spec.first_block, spec.num_tokens, len(spec.blocks[0])) == ("r1-0", 0, 100, 4)
+    assert (spec.ext_id, spec.first_block, spec.num_tokens, len(spec.blocks[0])) == (ext("r1"), 0, 100, 4)
     assert scheduler.connector.scheduler.stats["rendezvous"] == 0  # the workers have not seen it yet
-    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({"r1-0": 1})))
+    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({ext("r1"): 1})))
     assert posts.posted.wait(5)
     (body,) = posts.bodies
-    assert body["url"] == "http://proxy/rdv" and body["endpoint"] == "127.0.0.1:5600/1"
-    assert (body["id"], body["child"], body["first_block"], body["num_tokens"]) == ("r1", 0, 0, 100)
+    assert body.pop("url") == "http://proxy/rdv" and body["endpoint"] == "127.0.0.1:5600/1"
+    signed = verify(SECRET, body, time.time())  # the proxy hears only what the secret signed
+    assert (signed["ext_id"], signed["first_block"], signed["num_tokens"]) == (ext("r1"), 0, 100)
     # the transfer ends: vLLM computes only the last prompt token itself
     out = scheduler.schedule()
     scheduler.update_from_output(out, runner_output(out, finished_recving={"cmpl-1-0-abcdef12"}))
@@ -65,9 +81,9 @@ def test_decode_rendezvous_waits_for_every_rank(model: Path) -> None:
     ours.world_size = 2  # as with Decode TP 2: the summed report must reach 2
     scheduler.add_request(make_request("cmpl-2-0-abcdef12", 40, decode_params("r2")))
     out = scheduler.schedule()
-    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({"r2-0": 1})))
+    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({ext("r2"): 1})))
     assert ours.stats["rendezvous"] == 0
-    report = WorkerReport({"r2-0": 1}).aggregate(WorkerReport({"r2-0": 1}))
+    report = WorkerReport({ext("r2"): 1}).aggregate(WorkerReport({ext("r2"): 1}))
     out = scheduler.schedule()
     scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=report))
     assert posts.posted.wait(5) and ours.stats["rendezvous"] == 1
@@ -84,7 +100,7 @@ def test_decode_rendezvous_sums_reports_that_come_back_in_different_steps(model:
     scheduler.add_request(make_request("cmpl-5-0-abcdef12", 40, decode_params("r5")))
     for _rank in range(2):
         out = scheduler.schedule()
-        scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({"r5-0": 1})))
+        scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({ext("r5"): 1})))
     assert posts.posted.wait(5) and ours.stats["rendezvous"] == 1
     scheduler.connector.shutdown()
 
@@ -95,12 +111,12 @@ def test_decode_prompt_list_children_get_their_own_ids(model: Path) -> None:
         scheduler.add_request(make_request(f"cmpl-x-{i}-abcdef12", 40 + i, decode_params("rx", 3), seed=i))
     out = scheduler.schedule()
     ids = sorted(spec.ext_id for spec in meta_of(out).recv)
-    assert ids == ["rx-0", "rx-1", "rx-2"]
+    assert ids == [ext("rx", i) for i in range(3)]
     scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({i: 1 for i in ids})))
     assert posts.posted.wait(5)
     ours = scheduler.connector.scheduler
     ours._poster.close()  # drains nothing more; every body was posted in order
-    assert sorted(b["child"] for b in posts.bodies) == [0, 1, 2]
+    assert sorted(b["ext_id"] for b in posts.bodies) == ids
 
 
 def test_decode_honours_a_local_prefix_hit(model: Path) -> None:
@@ -126,9 +142,9 @@ def test_decode_abort_while_waiting_stops_the_pull_and_frees_blocks_once_reporte
     out = scheduler.schedule()
     scheduler.finish_requests("cmpl-4-0-abcdef12", RequestStatus.FINISHED_ABORTED)
     assert pool.get_num_free_blocks() < free  # a pull may still write them
-    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({"r4-0": 1})))
+    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({ext("r4"): 1})))
     out = scheduler.schedule()
-    assert meta_of(out).recv_abort == ("r4-0",)
+    assert meta_of(out).recv_abort == (ext("r4"),)
     assert scheduler.connector.scheduler.stats["rendezvous"] == 0 and not posts.bodies
     scheduler.update_from_output(out, runner_output(out, finished_recving={"cmpl-4-0-abcdef12"}))
     assert pool.get_num_free_blocks() == free
@@ -147,7 +163,7 @@ def test_prefill_sends_blocks_as_chunks_allocate_them_and_holds_them_until_sent(
         out = scheduler.schedule()
         meta = meta_of(out)
         for spec in meta.send_new:
-            assert (spec.ext_id, spec.endpoint, spec.first_block, spec.num_tokens) == ("r5-0", "10.0.0.2:5600/2", 1, 290)
+            assert (spec.ext_id, spec.endpoint, spec.first_block, spec.num_tokens) == (ext("r5"), "10.0.0.2:5600/2", 1, 290)
             seen += spec.blocks[0]
         for more in meta.send_blocks:
             seen += more.blocks[0]
@@ -159,7 +175,7 @@ def test_prefill_sends_blocks_as_chunks_allocate_them_and_holds_them_until_sent(
     # max_tokens=1: finished; the blocks stay until the workers report it sent
     out = scheduler.schedule()
     (finish,) = meta_of(out).send_finish
-    assert (finish.ext_id, finish.req_id, finish.aborted) == ("r5-0", req, False)
+    assert (finish.ext_id, finish.req_id, finish.aborted) == (ext("r5"), req, False)
     assert pool.get_num_free_blocks() < free
     scheduler.update_from_output(out, runner_output(out, finished_sending={req}))
     assert pool.get_num_free_blocks() == free
@@ -205,23 +221,103 @@ def test_prefill_preempted_mid_send_is_stopped_and_never_reported(model: Path) -
 
     ours.build_connector_meta = preempted
     meta = meta_of(scheduler.schedule())
-    assert meta.send_abort == ("r8-0",) and not meta.computed
+    assert meta.send_abort == (ext("r8"),) and not meta.computed
     ours.build_connector_meta = build
     assert ours.request_finished(scheduler.requests[req], ([],)) == (False, None)  # vLLM frees it
+
+
+def _forged(fields: dict[str, Any], **change: Any) -> dict[str, Any]:
+    return {**fields, **change}
+
+
+GOOD_DECODE = decode_fields(SECRET, hexid("r9"), 1, 1, time.time())
+GOOD_PREFILL = prefill_fields(SECRET, hexid("r9"), 1, 1, {0: [{"endpoint": "127.0.0.1:5600/1"}]}, time.time())
 
 
 @pytest.mark.parametrize(
     "ours",
     [None, "x", {"id": 3}, {"id": "r", "children": 2}, {"id": "r", "children": "two"},
      {"id": "r", "targets": {}}, {"id": "r", "targets": {"0": {"endpoint": "nonsense"}}},
-     {"id": "r", "targets": {"0": {"endpoint": "h:1/1", "first_block": "x"}}}],
+     {"id": "r", "targets": {"0": {"endpoint": "h:1/1", "first_block": "x"}}},
+     {"id": "r", "children": 1e400},
+     # signed by someone without the secret, or changed after signing, or expired
+     decode_fields(b"another-secret-0123456789abcdef", hexid("r9"), 1, 1, time.time()),
+     prefill_fields(b"another-secret-0123456789abcdef", hexid("r9"), 1, 1, {0: [{"endpoint": "h:1/1"}]}, time.time()),
+     _forged(GOOD_DECODE, samples=2), _forged(GOOD_PREFILL, targets={"0": [{"endpoint": "attacker.example:6666/1"}]}),
+     decode_fields(SECRET, hexid("r9"), 1, 1, time.time() - 3600),
+     prefill_fields(SECRET, hexid("r9"), 1, 1, {0: [{"endpoint": "h:70000/1"}]}, time.time()),
+     prefill_fields(SECRET, hexid("r9"), 1, 1, {0: [{"endpoint": "h:1/1", "first_block": -5}]}, time.time()),
+     decode_fields(SECRET, "not-hex", 1, 1, time.time())],
 )
-def test_malformed_params_never_raise_in_the_scheduler(model: Path, ours: Any) -> None:
+def test_unvouched_or_malformed_params_are_served_locally_and_counted(model: Path, ours: Any) -> None:
+    """A client's own kv_transfer_params (or a forged or stale signature) never steer a
+    transfer and never raise inside vLLM's scheduler: the request is computed here."""
     for role, flag in (("kv_consumer", "do_remote_prefill"), ("kv_producer", "do_remote_decode")):
-        scheduler, _ = make_scheduler(model, role)
+        scheduler, posts = make_scheduler(model, role)
         scheduler.add_request(make_request("cmpl-9-0-abcdef12", 50, {flag: True, "rd2h": ours}))
         out = scheduler.schedule()  # computed locally, as if no transfer had been asked
         assert out.num_scheduled_tokens == {"cmpl-9-0-abcdef12": 50}
         meta = meta_of(out)
         assert not (meta.recv or meta.send_new)
+        assert scheduler.connector.scheduler.stats["refused_params"] >= 1
         scheduler.connector.shutdown()
+        assert not posts.bodies
+
+
+def test_decode_samples_of_n_each_pull_under_an_id_of_their_own(model: Path) -> None:
+    """n=2: vLLM fans the request out into 0_<id> and 1_<id>, which share kv_transfer_params;
+    each pulls under its own id (no DuplicateRequestError, no lost mapping)."""
+    scheduler, posts = make_scheduler(model, "kv_consumer")
+    params = decode_params("rn", samples=2)
+    for sample in range(2):
+        scheduler.add_request(make_request(f"{sample}_cmpl-n-0-abcdef12", 40, params))
+    out = scheduler.schedule()
+    ids = sorted(spec.ext_id for spec in meta_of(out).recv)
+    assert ids == [ext("rn", 0, 0), ext("rn", 0, 1)]
+    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({i: 1 for i in ids})))
+    assert posts.posted.wait(5)
+    scheduler.connector.scheduler._poster.close()
+    assert sorted(b["ext_id"] for b in posts.bodies) == ids
+    scheduler.connector.shutdown()
+
+
+def test_decode_a_second_live_request_with_the_same_id_is_served_locally(model: Path) -> None:
+    """A replay of one signed request: the first keeps its pull, the second computes locally,
+    and the first is still reported when its pull ends."""
+    scheduler, _ = make_scheduler(model, "kv_consumer")
+    params = decode_params("rd")
+    scheduler.add_request(make_request("cmpl-d-0-abcdef12", 40, params))
+    scheduler.add_request(make_request("cmpl-d-0-99999999", 40, params, seed=1))  # same prompt index 0
+    out = scheduler.schedule()
+    (spec,) = meta_of(out).recv
+    assert spec.req_id == "cmpl-d-0-abcdef12"
+    assert out.num_scheduled_tokens == {"cmpl-d-0-99999999": 40}
+    assert scheduler.connector.scheduler.stats["refused_params"] == 1
+    scheduler.connector.shutdown()
+
+
+def test_prefill_serves_every_sample_from_one_computation(model: Path) -> None:
+    scheduler, _ = make_scheduler(model, "kv_producer", batched=128)
+    req = "cmpl-s-0-abcdef12"
+    scheduler.add_request(make_request(req, 40, prefill_params("rs", "10.0.0.2:5600/1", samples=2), max_tokens=1))
+    out = scheduler.schedule()
+    meta = meta_of(out)
+    assert [(s.ext_id, s.req_id, s.first_block) for s in meta.send_new] == [(ext("rs", 0, 0), req, 0), (ext("rs", 0, 1), req, 1)]
+    assert meta.send_new[0].blocks == meta.send_new[1].blocks  # the same source blocks
+    assert dict(meta.computed) == {ext("rs", 0, 0): 40, ext("rs", 0, 1): 40}
+    scheduler.update_from_output(out, runner_output(out, sampled={req: 7}))
+    finishes = meta_of(scheduler.schedule()).send_finish
+    assert sorted(f.ext_id for f in finishes) == [ext("rs", 0, 0), ext("rs", 0, 1)]
+    assert {f.req_id for f in finishes} == {req}
+    scheduler.connector.shutdown()
+
+
+def test_prefill_a_second_live_request_with_the_same_targets_is_computed_locally(model: Path) -> None:
+    scheduler, _ = make_scheduler(model, "kv_producer", batched=256)
+    params = prefill_params("rp")
+    scheduler.add_request(make_request("cmpl-p-0-abcdef12", 40, params, max_tokens=1))
+    scheduler.add_request(make_request("cmpl-p-0-99999999", 40, params, max_tokens=1, seed=1))
+    meta = meta_of(scheduler.schedule())
+    assert [s.req_id for s in meta.send_new] == ["cmpl-p-0-abcdef12"]
+    assert scheduler.connector.scheduler.stats["refused_params"] == 1
+    scheduler.connector.shutdown()

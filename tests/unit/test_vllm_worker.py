@@ -297,8 +297,8 @@ def test_prefill_send_aborted_on_preemption_is_not_reported(pair) -> None:
 @pytest.mark.parametrize("pair", DENSE, indirect=True)
 def test_vllm_ascend_hooks_announce_and_gate_layers(pair) -> None:
     """vllm-ascend calls ``wait_for_layer_send`` before it overwrites a layer and
-    ``on_kv_cache_written`` after; through the connector they gate and announce as
-    ``save_kv_layer`` does, and a second step on the same layer waits for Decode's reply."""
+    ``on_kv_cache_written`` after; through the connector they announce as ``save_kv_layer``
+    does, and a second step on the same layer never waits for Decode (no slot is reused)."""
     from rd2h.vllm.connector import RD2HConnector
 
     prefill, decode, src, dst, endpoint = pair
@@ -340,3 +340,70 @@ def test_an_idle_step_waits_for_a_transfer_and_a_busy_one_does_not(pair, monkeyp
     decode.bind(StepMetadata(idle=True))
     decode.transfer_results()
     assert waits == [IDLE_WAIT_SECONDS]
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_bad_requests_fail_alone_in_every_hook_and_the_engine_serves_on(pair) -> None:
+    """What used to escape bind_connector_metadata and kill the engine: a port past 65535, a
+    first block of -5, a duplicate id, an endpoint that is not one. Each fails its own request
+    (reported finished so vLLM frees it); the good request of the same step is pulled."""
+    from rd2h.vllm.connector import RD2HConnector
+
+    prefill, decode, src, dst, endpoint = pair
+    connector = object.__new__(RD2HConnector)
+    connector._worker, connector._scheduler, connector._connector_metadata = prefill, None, None
+    decode.bind(StepMetadata(recv=(RecvSpec("ok", "d-ok", ((5,),), 0, 20),)))
+    decode.bind(StepMetadata(recv=(RecvSpec("ok", "d-dup", ((6,),), 0, 20),)))  # a second request, same id
+    bad = [
+        SendSpec("port", "p-port", "127.0.0.1:65535/2", ((0,),), 20, 0),  # Decode rank 1 would be 65536
+        SendSpec("neg", "p-neg", endpoint, ((0,),), 20, -5),
+        SendSpec("junk", "p-junk", "not an endpoint", ((0,),), 20, 0),
+        SendSpec("ok", "p-ok", endpoint, ((1,),), 20, 0),
+        SendSpec("ok", "p-dup", endpoint, ((2,),), 20, 0),  # the same id again
+    ]
+    steps = [
+        StepMetadata(send_new=tuple(bad), computed=tuple((s.ext_id, 20) for s in bad)),
+        StepMetadata(send_finish=tuple(SendFinish(s.ext_id, s.req_id, False) for s in bad[:4])),
+    ]
+    for meta in steps:
+        connector.bind_connector_metadata(meta)  # never raises
+        for name, tensor in src.items():
+            connector.save_kv_layer(name, tensor, None)
+        connector.clear_connector_metadata()
+    sending: set[str] = set()
+    recving: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + 60
+    while not ({"p-port", "p-neg", "p-junk", "p-ok"} <= sending and "d-ok" in recving):
+        assert time.monotonic() < deadline, (sending, recving)
+        sending |= prefill.transfer_results()[0]
+        _, r, f = decode.transfer_results()
+        recving, failed = recving | r, failed | f
+        threading.Event().wait(0.01)
+    assert "d-dup" in failed and "d-ok" not in failed
+    for name in src:
+        assert torch.equal(dst[name][5], src[name][1])  # the good one, from its own source block
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_one_prefill_request_serves_every_sample_and_is_finished_after_the_last(pair) -> None:
+    """n=2: Prefill computed the prompt once; two Decode requests pull it from the same source
+    blocks, and vLLM may free those blocks only once both are done."""
+    prefill, decode, src, dst, endpoint = pair
+    decode.bind(StepMetadata(recv=(RecvSpec("s-0", "d-0", ((3,),), 0, 20), RecvSpec("s-1", "d-1", ((4,),), 0, 20))))
+    specs = (SendSpec("s-0", "p-req", endpoint, ((0,),), 20, 0), SendSpec("s-1", "p-req", endpoint, ((0,),), 20, 0))
+    run_prefill(prefill, src, [
+        StepMetadata(send_new=specs, computed=(("s-0", 20), ("s-1", 20))),
+        StepMetadata(send_finish=(SendFinish("s-0", "p-req", False), SendFinish("s-1", "p-req", False))),
+    ])
+    sending: set[str] = set()
+    recving: set[str] = set()
+    deadline = time.monotonic() + 60
+    while not (sending and recving == {"d-0", "d-1"}):
+        assert time.monotonic() < deadline, (sending, recving)
+        sending |= prefill.transfer_results()[0]
+        recving |= decode.transfer_results()[1]
+        threading.Event().wait(0.01)
+    assert sending == {"p-req"} and not prefill._send_exts  # reported once, after both samples
+    for name in src:
+        assert torch.equal(dst[name][3], src[name][0]) and torch.equal(dst[name][4], src[name][0])

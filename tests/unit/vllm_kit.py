@@ -19,6 +19,8 @@ LLAMA = {
     "eos_token_id": 2, "rms_norm_eps": 1e-6,
 }
 BLOCK = 32
+SECRET = b"rd2h-unit-test-secret-0123456789"  # what the proxy and the engines share in these tests
+METASERVER = "http://proxy/rdv"
 
 
 def write_model(directory: Path) -> Path:
@@ -38,6 +40,16 @@ class Posts:
         self.bodies.append({"url": url, **body})
         self.posted.set()
         return 200
+
+
+def _extra(model: Path, role: str, extra: dict | None) -> dict[str, Any]:
+    """The connector's config: the shared secret (in a file) and, for Decode, the metaserver."""
+    secret = model / "rd2h.secret"
+    secret.write_bytes(SECRET)
+    base: dict[str, Any] = {"secret_file": str(secret)}
+    if role != "kv_producer":
+        base["metaserver"] = METASERVER
+    return {**base, **(extra or {})}
 
 
 def make_scheduler(
@@ -72,7 +84,7 @@ def make_scheduler(
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched, max_model_len=512,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role=role,
-                                            kv_connector_extra_config=extra or {}),
+                                            kv_connector_extra_config=_extra(model, role, extra)),
         device_config=DeviceConfig("cpu"),
     )
     config.cache_config.num_gpu_blocks = num_blocks

@@ -32,9 +32,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a Decode engine's base URL, e.g. http://10.0.0.2:8200 (repeat for several)",
     )
     parser.add_argument(
-        "--metaserver-url", default="", metavar="URL",
-        help="the URL Decode engines post their rendezvous to (default: this proxy's own address as "
-        "the client reached it + /v1/rd2h/rendezvous); set it when engines reach the proxy by another name",
+        "--secret-file", default=None, metavar="FILE",
+        help="the secret shared with the engines, which signs both legs and authenticates the rendezvous "
+        "(default: $RD2H_SECRET). Decode engines post to this proxy's /v1/rd2h/rendezvous, set as their "
+        "kv_connector_extra_config 'metaserver'",
     )
     parser.add_argument(
         "--rendezvous-timeout", type=float, default=60.0, metavar="S",
@@ -66,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
         from rd2h.proxy import ProxyConfig, create_app
     except ImportError as exc:
         raise ConfigError(f"rd2h proxy needs its extra: pip install 'rd2h[proxy]' ({exc})") from None
+    from rd2h.vllm.vouch import load_secret
+
     config = ProxyConfig(
-        prefill=args.prefill, decode=args.decode, metaserver_url=args.metaserver_url,
+        prefill=args.prefill, decode=args.decode, secret=load_secret(args.secret_file),
         rendezvous_timeout=args.rendezvous_timeout, request_timeout=args.request_timeout,
         retries=args.retries, backoff=args.backoff,
     )

@@ -94,6 +94,27 @@ def test_a_request_ends_done_once_every_layer_is_answered() -> None:
     assert t.live_ids() == frozenset() and t.take() == {}
 
 
+def test_a_layer_announced_again_before_its_reply_is_answered_in_order() -> None:
+    """vLLM's paged cache reuses no slot: step 2 announces layer 0 for another request while
+    step 1's layer 0 is unanswered. Each reply answers the endpoint's oldest readiness of the
+    layer (Decode answers a peer in order); a META_REQUIRED puts the repeated one last."""
+    t = tracker()
+    t.add_request("a", D0, main_block_ids=[1], num_tokens=4, now=0.0)
+    t.add_request("b", D0, main_block_ids=[2], num_tokens=4, now=0.0)
+    step_a, _ = t.schedule({"a": 4}, 0.0)
+    first = t.announce(step_a, 0, "l0", 0.0)[1].sends
+    step_b, _ = t.schedule({"b": 4}, 0.0)
+    second = t.announce(step_b, 0, "l0", 0.0)[1].sends
+    assert [m.ext_req_id for m in readiness(first[-1][2]).read_reqs] == ["a"]
+    assert [m.ext_req_id for m in readiness(second[-1][2]).read_reqs] == ["b"]
+    t.on_reply(A0, done(0), 0.0)  # Decode introduced us: ACK implied by the reply order
+    restarted = t.on_reply(A0, protocol.encode(protocol.ReadFailed.meta_required(0)), 0.0)
+    assert [f for _, _, f in restarted.sends] == [META, second[-1][2]]  # b is repeated, now last
+    assert t.unanswered("a") == 0 and t.unanswered("b") == 1
+    t.on_reply(A0, failed(0, ("b",), RemoteError("read failed")), 0.0)
+    assert t.unanswered("b") == 0 and t.in_flight(A0) == frozenset()
+
+
 def test_blocks_learnt_step_by_step_and_checked_at_schedule() -> None:
     """Chunked prefill: blocks come by extend; a step that needs more than were given fails
     that request only, and the other requests of the step are announced."""
@@ -617,7 +638,7 @@ class SendTrackerMachine(RuleBasedStateMachine):
         instances = {id(r) for r in self.t._requests.values()}
         named: dict[int, int] = {}
         for endpoint in self.t._endpoints.values():
-            for sent in endpoint.in_flight.values():
+            for sent in (sent for waiting in endpoint.in_flight.values() for sent in waiting):
                 for request in sent.requests:
                     assert id(request) in instances, "in-flight readiness names a settled request"
                     named[id(request)] = named.get(id(request), 0) + 1

@@ -1,0 +1,153 @@
+"""rd2h's part of ``kv_transfer_params``: what the proxy writes, what the engines accept (no vLLM import).
+
+One client request becomes ``prompts x samples`` engine requests: vLLM makes a child per
+prompt of a prompt list (``<id>-<prompt>-<8 chars>``) and, for ``n > 1``, a child per sample
+of each (``<sample>_<that id>``), and every child carries the same ``kv_transfer_params``.
+Each child is pulled under an id of its own, ``<rd2h id>-<prompt>-<sample>``, so no two engine
+requests ever share one. Prefill computes each prompt once (the proxy asks it for one sample)
+and serves every sample's Decode request from the same source blocks.
+
+The proxy signs both legs (:mod:`rd2h.vllm.vouch`)::
+
+    Decode:  {"leg": "decode", "id": "<hex>", "prompts": P, "samples": S, "exp": ..., "sig": ...}
+    Prefill: {"leg": "prefill", "id": "<hex>", "prompts": P, "samples": S,
+              "targets": {"<prompt>": [{"endpoint": "host:port/tp", "first_block": k}, ...]},
+              "exp": ..., "sig": ...}
+
+``targets[p][s]`` is the Decode request of prompt ``p``, sample ``s``: the endpoint and first
+block its rendezvous said. Every parse error is a ValueError naming what is wrong; the caller
+serves the request locally and counts it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rd2h.vllm.vouch import VouchError, sign, verify
+from rd2h.wire.endpoint import DecodeEndpoint
+
+__all__ = [
+    "PARAMS_KEY", "MAX_CHILDREN", "Target", "ext_id", "prompt_index", "sample_index",
+    "decode_fields", "prefill_fields", "accept_decode", "accept_prefill",
+]  # fmt: skip
+
+PARAMS_KEY = "rd2h"
+MAX_CHILDREN = 4096  # prompts x samples of one client request; far above any real one
+_ID = re.compile(r"[0-9a-f]{16,64}")
+_SAMPLE = re.compile(r"(\d+)_")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one sample's KV goes: its id on both sides, the Decode endpoint, its first block."""
+
+    ext_id: str
+    endpoint: DecodeEndpoint
+    first_block: int
+
+
+def ext_id(rid: str, prompt: int, sample: int) -> str:
+    return f"{rid}-{prompt}-{sample}"
+
+
+def prompt_index(req_id: str, prompts: int) -> int:
+    """Which prompt of the client's list engine request ``req_id`` serves (0 for one prompt)."""
+    if prompts <= 1:
+        return 0
+    try:
+        index = int(req_id.rsplit("-", 2)[-2])
+    except (IndexError, ValueError):
+        raise ValueError(f"request id {req_id!r} does not name a prompt of a list of {prompts}") from None
+    if not 0 <= index < prompts:
+        raise ValueError(f"request id {req_id!r}: prompt {index} outside 0..{prompts - 1}")
+    return index
+
+
+def sample_index(req_id: str, samples: int) -> int:
+    """Which sample (``n``) engine request ``req_id`` is (0 when one sample is asked for)."""
+    if samples <= 1:
+        return 0
+    match = _SAMPLE.match(req_id)
+    if match is None or not 0 <= int(match.group(1)) < samples:
+        raise ValueError(f"request id {req_id!r} does not name a sample of {samples}")
+    return int(match.group(1))
+
+
+def _count(fields: Mapping[str, Any], key: str) -> int:
+    value = fields.get(key, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHILDREN:
+        raise ValueError(f"{key!r} must be an int in 1..{MAX_CHILDREN}, got {value!r}")
+    return value
+
+
+def _checked(secret: bytes, raw: object, now: float, leg: str) -> tuple[dict[str, Any], str, int, int]:
+    try:
+        fields = verify(secret, raw, now)
+    except VouchError as exc:
+        raise ValueError(str(exc)) from None
+    if fields.get("leg") != leg:  # one leg's fields never serve as the other's
+        raise ValueError(f"signed for the {fields.get('leg')!r} leg, not {leg!r}")
+    rid = fields.get("id")
+    if not isinstance(rid, str) or not _ID.fullmatch(rid):
+        raise ValueError(f"'id' must be 16-64 lowercase hex digits, got {rid!r}")
+    prompts, samples = _count(fields, "prompts"), _count(fields, "samples")
+    if prompts * samples > MAX_CHILDREN:
+        raise ValueError(f"{prompts} prompts x {samples} samples is more than {MAX_CHILDREN} requests")
+    return fields, rid, prompts, samples
+
+
+# -- the proxy ---------------------------------------------------------------------------------
+
+
+def decode_fields(secret: bytes, rid: str, prompts: int, samples: int, now: float) -> dict[str, Any]:
+    return sign(secret, {"leg": "decode", "id": rid, "prompts": prompts, "samples": samples}, now)
+
+
+def prefill_fields(
+    secret: bytes, rid: str, prompts: int, samples: int, targets: Mapping[int, list[Mapping[str, Any]]], now: float
+) -> dict[str, Any]:
+    """``targets[prompt][sample]``: ``{"endpoint", "first_block"}`` from that child's rendezvous."""
+    fields = {
+        "leg": "prefill", "id": rid, "prompts": prompts, "samples": samples,
+        "targets": {
+            str(p): [{"endpoint": str(t["endpoint"]), "first_block": int(t.get("first_block", 0))} for t in ts]
+            for p, ts in targets.items()
+        },
+    }  # fmt: skip
+    return sign(secret, fields, now)
+
+
+# -- the engines -------------------------------------------------------------------------------
+
+
+def accept_decode(secret: bytes, raw: object, req_id: str, now: float) -> tuple[str, int, int]:
+    """Decode: ``(ext id, prompt, sample)`` of engine request ``req_id``; ValueError otherwise."""
+    _, rid, prompts, samples = _checked(secret, raw, now, "decode")
+    prompt, sample = prompt_index(req_id, prompts), sample_index(req_id, samples)
+    return ext_id(rid, prompt, sample), prompt, sample
+
+
+def accept_prefill(secret: bytes, raw: object, req_id: str, now: float) -> list[Target]:
+    """Prefill: one target per sample of the prompt ``req_id`` computes; ValueError otherwise."""
+    fields, rid, prompts, samples = _checked(secret, raw, now, "prefill")
+    prompt = prompt_index(req_id, prompts)
+    targets = fields.get("targets")
+    mine = targets.get(str(prompt)) if isinstance(targets, Mapping) else None
+    if not isinstance(mine, list) or len(mine) != samples:
+        raise ValueError(f"'targets' must list {samples} target(s) for prompt {prompt}")
+    accepted = []
+    for sample, target in enumerate(mine):
+        if not isinstance(target, Mapping) or not isinstance(target.get("endpoint"), str):
+            raise ValueError(f"target {prompt}/{sample} must be an object with an 'endpoint'")
+        first_block = target.get("first_block", 0)
+        if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
+            raise ValueError(f"target {prompt}/{sample}: first_block must be an int >= 0, got {first_block!r}")
+        try:
+            endpoint = DecodeEndpoint.parse(target["endpoint"])
+        except Exception as exc:  # noqa: BLE001 - any malformed endpoint is this request's problem
+            raise ValueError(f"target {prompt}/{sample}: {exc}") from None
+        accepted.append(Target(ext_id(rid, prompt, sample), endpoint, first_block))
+    return accepted
