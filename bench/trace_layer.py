@@ -70,12 +70,12 @@ def _prefill(port: int, layers: int, out: Any, go: Any) -> None:
 
 def _decode(port: int, layers: int, out: Any, ready: Any) -> None:
     from rd2h.api import KVSink, LayerTensors, host_buffer
-    from rd2h.decode import sink
+    from rd2h.decode import layer_read, sink
 
     _wrap(sink.Sink, "_handle", "D sink: handle")
-    _wrap(sink.Sink, "_plan", "D sink: plan")
-    _wrap(sink.Sink, "_read", "D sink: read")
-    _wrap(sink.Sink, "_send", "D sink: reply send")
+    _wrap(layer_read.LayerReader, "_plan", "D sink: plan")
+    _wrap(layer_read.LayerReader, "_read", "D sink: read")
+    _wrap(layer_read.LayerReader, "send", "D sink: reply send")
     names = [f"layer.{i}" for i in range(layers)]
     tensors = {n: LayerTensors(main=[host_buffer((4, 64))], indexer=host_buffer((4, 16))) for n in names}
     with KVSink(tensors, kv_port=port) as s:

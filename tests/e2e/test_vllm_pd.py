@@ -66,7 +66,7 @@ def complete(url: str, prompts: list[str] | str, *, max_tokens: int = 16, timeou
 def last_record(cluster: Any) -> dict[str, Any]:
     import httpx
 
-    return httpx.get(cluster.url("proxy") + "/v1/rd2h/requests", timeout=5).json()[-1]
+    return httpx.get(cluster.url("proxy") + "/v1/rd2h/requests", headers=cluster.operator_headers(), timeout=5).json()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,103 @@ def test_prefix_cache_hit_pulls_only_the_tail(cluster: Any) -> None:
     child = last_record(cluster)["children"][0]
     full_blocks = (child["num_tokens"] - 1) // 32
     assert child["first_block"] == full_blocks > 0  # only the last block came from Prefill
+
+
+def _post(url: str, body: dict[str, Any], *, ok: bool = True) -> Any:
+    import httpx
+
+    response = httpx.post(url + "/v1/completions", json=body, timeout=180)
+    if ok:
+        assert response.status_code == 200, response.text
+    return response
+
+
+def _tokens(response: Any) -> list[list[int]]:
+    return [c["token_ids"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+
+PARAMETER_CASES = {
+    "n=2 greedy": {"n": 2, "temperature": 0, "max_tokens": 8, "ignore_eos": True},
+    "min_tokens": {"min_tokens": 8, "max_tokens": 10, "temperature": 0},
+    "stop": {"stop": ["fox", "dog"], "max_tokens": 12, "temperature": 0},
+    "seeded sampling": {"seed": 7, "temperature": 0.8, "max_tokens": 8, "ignore_eos": True},
+    "n=2 seeded": {"n": 2, "seed": 11, "temperature": 0.9, "max_tokens": 6, "ignore_eos": True},
+    "logprobs": {"logprobs": 2, "temperature": 0, "max_tokens": 6, "ignore_eos": True},
+    "max_tokens=1": {"max_tokens": 1, "temperature": 0},
+    "echo": {"echo": True, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+}
+
+
+@pytest.mark.parametrize("case", list(PARAMETER_CASES))
+def test_request_parameters_match_a_single_engine(cluster: Any, case: str) -> None:
+    """What real clients send: each through the proxy equals the engine asked directly, token
+    for token and in its usage counts, and every Decode request of it was pulled."""
+    cluster.ensure()
+    body = {"model": "tiny", "prompt": PROMPTS[2], "return_token_ids": True, **PARAMETER_CASES[case]}
+    direct, proxied = _post(cluster.url("prefill"), body), _post(cluster.url("proxy"), body)
+    assert _tokens(proxied) == _tokens(direct), case
+    assert proxied.json()["usage"] == direct.json()["usage"], case
+    if body.get("logprobs"):
+        tops = [c["logprobs"]["tokens"] for c in proxied.json()["choices"]]
+        assert tops == [c["logprobs"]["tokens"] for c in direct.json()["choices"]]
+    record = last_record(cluster)
+    assert record["status"] == 200 and len(record["children"]) == body.get("n", 1)  # each sample pulled
+
+
+def test_streamed_usage_counts_as_one_engine_counts(cluster: Any) -> None:
+    import json
+
+    import httpx
+
+    cluster.ensure()
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    usage = {}
+    for role in ("prefill", "proxy"):
+        with httpx.stream("POST", cluster.url(role) + "/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        usage[role] = [e["usage"] for e in events if e.get("usage")][-1]
+    assert usage["proxy"] == usage["prefill"] and usage["proxy"]["completion_tokens"] == 6
+
+
+def test_what_rd2h_cannot_serve_is_refused_with_a_clear_400(cluster: Any) -> None:
+    cluster.ensure()
+    response = _post(cluster.url("proxy"), {"model": "tiny", "prompt": "a b c", "prompt_logprobs": 1}, ok=False)
+    assert response.status_code == 400 and "prompt_logprobs" in response.json()["error"]["message"]
+
+
+def test_a_clients_own_kv_transfer_params_steer_nothing(cluster: Any) -> None:
+    """A client talking to the engines directly names an id, a Decode endpoint to dial and a
+    signature it made up: both engines serve it as a plain request and keep serving."""
+    cluster.ensure()
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    expected = _tokens(_post(cluster.url("prefill"), body))
+    forged = {"leg": "prefill", "id": "ab" * 16, "prompts": 1, "samples": 1, "exp": 2**40, "sig": "00" * 32,
+              "targets": {"0": [{"endpoint": "127.0.0.1:9/1", "first_block": 0}]}}
+    decode_forged = {"do_remote_prefill": True, "rd2h": {**forged, "leg": "decode"}}
+    prefill_forged = {"do_remote_decode": True, "rd2h": forged}
+    assert _tokens(_post(cluster.url("decode"), {**body, "kv_transfer_params": decode_forged})) == expected
+    assert _tokens(_post(cluster.url("prefill"), {**body, "kv_transfer_params": prefill_forged})) == expected
+    assert complete(cluster.url("proxy"), PROMPTS[:1], max_tokens=6) == expected  # and P/D goes on
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_pull_never_decodes_on_what_did_not_arrive(cluster: Any, baseline: list[list[int]], policy: str) -> None:
+    """Every read on Decode fails (test hook). vLLM's kv_load_failure_policy decides: recompute
+    gives the single engine's tokens, fail gives the client an error; never tokens decoded on
+    blocks the pull left unwritten."""
+    cluster.ensure(decode={"_test_fail_reads": True, "kv_load_failure_policy": policy})
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    response = _post(cluster.url("proxy"), body, ok=False)
+    if policy == "recompute":
+        assert response.status_code == 200, response.text
+        assert _tokens(response) == [baseline[2]]
+    else:
+        choices = response.json().get("choices") or [] if response.status_code == 200 else []
+        assert response.status_code >= 400 or any(c.get("finish_reason") == "error" for c in choices), response.text
 
 
 def test_negative_control_corrupted_transfer_changes_tokens(cluster: Any, baseline: list[list[int]]) -> None:

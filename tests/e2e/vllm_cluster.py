@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -147,7 +148,9 @@ class Cluster:
         """``tp``: both engines' TP size, or ``{"prefill": p, "decode": d}``."""
         self.model, self.workdir = model, workdir
         self.tp = dict(tp) if isinstance(tp, Mapping) else {"prefill": tp, "decode": tp}
-        self.env = dict(env or {})
+        # the secret the proxy and the engines share (signed kv_transfer_params, rendezvous)
+        self.secret = secrets.token_hex(32)
+        self.env = {"RD2H_SECRET": self.secret, **dict(env or {})}
         ports = free_base_port(3)
         self.ports = {"prefill": ports, "decode": ports + 1, "proxy": ports + 2}
         self.kv_port = free_base_port(2 * max(4, *self.tp.values()))  # room for a later ensure(tp=...)
@@ -161,9 +164,13 @@ class Cluster:
         return f"http://127.0.0.1:{self.ports[role]}"
 
     def _engine(self, role: str, extra: dict[str, Any]) -> Process:
-        """``extra``'s ``_test_corrupt`` / ``_test_hold_file`` load the test-only connector
-        (tests/kit/vllm/rd2h_test_connector.py) with that hook on; the rest is rd2h's config."""
+        """``extra``'s ``_test_*`` keys load the test-only connector (tests/kit/vllm/
+        rd2h_test_connector.py) with that hook on; ``kv_load_failure_policy`` is vLLM's; the
+        rest is rd2h's config."""
         hooks = {key: value for key, value in extra.items() if key.startswith("_test_")}
+        # vLLM's own transfer settings (kv_load_failure_policy) sit beside rd2h's config
+        vllm_keys = {key: extra[key] for key in ("kv_load_failure_policy",) if key in extra}
+        extra = {k: v for k, v in extra.items() if k not in vllm_keys}
         config: dict[str, Any] = {
             "kv_connector": "RD2HConnector",  # found through the entry point alone
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
@@ -171,6 +178,9 @@ class Cluster:
                 "kv_port": self.kv_port, **STARVED_TIMEOUTS, **{k: v for k, v in extra.items() if k not in hooks}
             },
         }
+        config.update(vllm_keys)
+        if role == "decode":  # where Decode posts its rendezvous: configured, never taken from a request
+            config["kv_connector_extra_config"].setdefault("metaserver", self.url("proxy") + "/v1/rd2h/rendezvous")
         hook_env = {}
         if hooks:
             config.update(kv_connector="RD2HTestConnector", kv_connector_module_path="rd2h_test_connector")
@@ -179,6 +189,8 @@ class Cluster:
                 hook_env["RD2H_TEST_CORRUPT"] = "1"
             if "_test_hold_file" in hooks:
                 hook_env["RD2H_TEST_HOLD_FILE"] = str(hooks.pop("_test_hold_file"))
+            if hooks.pop("_test_fail_reads", False):
+                hook_env["RD2H_TEST_FAIL_READS"] = "1"
             assert not hooks, f"unknown test hooks {sorted(hooks)}"
         self.starts += 1
         argv = [
@@ -216,7 +228,7 @@ class Cluster:
                 sys.executable, "-m", "rd2h.cli.main", "proxy", "--port", str(self.ports["proxy"]),
                 "--prefill", self.url("prefill"), "--decode", self.url("decode"), "--rendezvous-timeout", "60",
             ]
-            self.procs["proxy"] = Process("proxy", argv, self.workdir / "proxy.log")
+            self.procs["proxy"] = Process("proxy", argv, self.workdir / "proxy.log", self.env)
             self.procs["proxy"].wait_healthy(self.url("proxy"), timeout=30)
 
     def restart(self, role: str) -> None:
@@ -224,6 +236,12 @@ class Cluster:
         self.procs[role].stop()
         self.procs[role] = self._engine(role, self.extra[role])
         self.procs[role].wait_healthy(self.url(role), timeout=240)
+
+    def operator_headers(self) -> dict[str, str]:
+        """What reads the proxy's request list (``GET /v1/rd2h/requests``)."""
+        from rd2h.vllm.vouch import token
+
+        return {"Authorization": f"Bearer {token(self.secret.encode(), 'requests')}"}
 
     def log_tails(self, lines: int) -> dict[str, str]:
         """The last ``lines`` lines of each process's log, by process name."""

@@ -67,7 +67,7 @@ def test_failed_sink_constructor_frees_the_port(kv_port: int, monkeypatch: pytes
     """Sink.__init__ fails after KVSink bound the listener: the port must be free again."""
     import rd2h.decode.sink
 
-    def broken() -> None:
+    def broken(**_: object) -> None:
         raise RuntimeError("constructor failed after the bind")
 
     layers = {"l": layer_tensors(False)}

@@ -9,6 +9,8 @@ rd2h itself carries no test hook. The hooks are switched on by the engine's envi
 - ``RD2H_TEST_HOLD_FILE=PATH`` (Prefill): the first step that adds a request touches
   ``PATH.held`` and then holds (``RD2H_TEST_HOLD_SECONDS``, default 120) so a test can kill
   the engine with a request in hand.
+- ``RD2H_TEST_FAIL_READS=1`` (Decode): every batched read of the transfer engine raises, as
+  a dead link would: the sink fails the requests and vLLM's ``kv_load_failure_policy`` decides.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from rd2h.errors import TransferError
 from rd2h.outcome import Outcome
 from rd2h.vllm.connector import RD2HConnector
 from rd2h.vllm.metadata import StepMetadata
@@ -33,11 +36,17 @@ class HookedWorker(RD2HWorker):
         super().__init__(*args, **kwargs)
         self.corrupt = os.environ.get("RD2H_TEST_CORRUPT") == "1" if corrupt is None else corrupt
         self.hold_file = os.environ.get("RD2H_TEST_HOLD_FILE") if hold_file is None else hold_file
+        self.fail_reads = os.environ.get("RD2H_TEST_FAIL_READS") == "1"
         self._received: dict[str, tuple[int, tuple[int, ...]]] = {}  # ext id -> (first block, main blocks)
         self._held = False
 
     def register(self, kv_caches: Mapping[str, Any], num_blocks: Mapping[str, int]) -> None:
         super().register(kv_caches, num_blocks)
+        if self.sink is not None and self.fail_reads:
+            def fail(*_: Any) -> None:
+                raise TransferError("test hook: the read failed")
+
+            self.sink._engine.read_batch = fail  # the engine object the sink's reader calls
         if self.sink is not None and self.corrupt:
             take = self.sink.take
 
