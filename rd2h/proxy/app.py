@@ -8,8 +8,9 @@ tests: only with ``Authorization: Bearer <token>``, see :func:`rd2h.vllm.vouch.t
 ``GET /health``.
 
 Both legs carry rd2h's fields signed (:mod:`rd2h.vllm.params`): one client request becomes
-``prompts x samples`` Decode requests, each with an id of its own, and ``prompts`` Prefill
-requests (one sample each: Prefill computes a prompt once for all its samples). The Prefill
+``prompts x samples`` Decode requests, each with an id of its own, of which sample 0 of each
+prompt pulls (the others reuse its blocks from Decode's prefix cache), and ``prompts`` Prefill
+requests of one sample each. The Prefill
 leg changes only what it must: one token, one sample, no streaming, no ``min_tokens``.
 Parameters rd2h cannot serve are refused with 400 and a message naming them.
 
@@ -110,7 +111,7 @@ class _Pending:
     rid: str
     prompts: int
     samples: int
-    futures: list[asyncio.Future[dict[str, Any]]]  # prompt-major: prompt * samples + sample
+    futures: list[asyncio.Future[dict[str, Any]]]  # one per prompt: its sample 0 pulls
     record: dict[str, Any] = field(default_factory=dict)
 
 
@@ -157,12 +158,11 @@ class _Proxy:
         pending.record["children"] = [
             {k: r.get(k) for k in ("endpoint", "first_block", "num_tokens")} for r in found
         ]
-        n = pending.samples
-        targets = {p: found[p * n : (p + 1) * n] for p in range(pending.prompts)}
+        targets = {p: [found[p]] for p in range(pending.prompts)}
         leg = prefill_body(body)
         leg["kv_transfer_params"] = {
             "do_remote_decode": True,
-            "rd2h": prefill_fields(self.config.secret, pending.rid, pending.prompts, n, targets, time.time()),
+            "rd2h": prefill_fields(self.config.secret, pending.rid, pending.prompts, 1, targets, time.time()),
         }
         sent = time.monotonic()
         response = await self._send(self._prefill, path, leg, stream=False)
@@ -185,7 +185,7 @@ class _Proxy:
             return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error"}}, status_code=400)
         rid = secrets.token_hex(16)  # unguessable: it names the request on both engines
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in range(prompts * samples)]
+        futures = [loop.create_future() for _ in range(prompts)]
         pending = _Pending(rid, prompts, samples, futures, {"id": rid, "path": path})
         self.pending[rid] = pending
         self.recent.append(pending.record)
@@ -282,9 +282,9 @@ class _Proxy:
         pending = self.pending.get(rid)
         if pending is None:
             return JSONResponse({"error": "no request waits for this rendezvous"}, status_code=404)
-        if not (0 <= prompt_idx < pending.prompts and 0 <= sample_idx < pending.samples):
+        if not (0 <= prompt_idx < pending.prompts and sample_idx == 0):
             return JSONResponse({"error": "a rendezvous for a child the request does not have"}, status_code=400)
-        future = pending.futures[prompt_idx * pending.samples + sample_idx]
+        future = pending.futures[prompt_idx]
         if not future.done():
             future.set_result(fields)
         return JSONResponse({"ok": True})

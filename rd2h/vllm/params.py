@@ -3,19 +3,21 @@
 One client request becomes ``prompts x samples`` engine requests: vLLM makes a child per
 prompt of a prompt list (``<id>-<prompt>-<8 chars>``) and, for ``n > 1``, a child per sample
 of each (``<sample>_<that id>``), and every child carries the same ``kv_transfer_params``.
-Each child is pulled under an id of its own, ``<rd2h id>-<prompt>-<sample>``, so no two engine
-requests ever share one. Prefill computes each prompt once (the proxy asks it for one sample)
-and serves every sample's Decode request from the same source blocks.
+Each child has an id of its own, ``<rd2h id>-<prompt>-<sample>``, so no two engine requests
+ever share one. The samples of a prompt share its blocks in Decode's prefix cache: only sample
+0 pulls (its rendezvous names the prompt's one target), and Prefill computes each prompt once
+(the proxy asks it for one sample).
 
 The proxy signs both legs (:mod:`rd2h.vllm.vouch`)::
 
     Decode:  {"leg": "decode", "id": "<hex>", "prompts": P, "samples": S, "exp": ..., "sig": ...}
-    Prefill: {"leg": "prefill", "id": "<hex>", "prompts": P, "samples": S,
-              "targets": {"<prompt>": [{"endpoint": "host:port/tp", "first_block": k}, ...]},
+    Prefill: {"leg": "prefill", "id": "<hex>", "prompts": P, "samples": 1,
+              "targets": {"<prompt>": [{"endpoint": "host:port/tp", "first_block": k}]},
               "exp": ..., "sig": ...}
 
-``targets[p][s]`` is the Decode request of prompt ``p``, sample ``s``: the endpoint and first
-block its rendezvous said. Every parse error is a ValueError naming what is wrong; the caller
+``targets[p][s]`` is the Decode request of prompt ``p``, sample ``s`` that pulls (the proxy
+names sample 0 only): the endpoint and first block its rendezvous said. The format allows
+several, for a Decode that would pull each sample. Every parse error is a ValueError naming what is wrong; the caller
 serves the request locally and counts it.
 """
 

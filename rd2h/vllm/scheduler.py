@@ -7,7 +7,10 @@ counted in ``stats["refused_params"]``. Nothing a client sends raises out of a h
 Decode (``kv_consumer``): a request whose ``kv_transfer_params`` say ``do_remote_prefill``
 reports its uncomputed prompt tokens as matched asynchronously (a local prefix-cache hit
 is honoured: only the rest is pulled). Each engine request is pulled under an id of its own;
-a second live request claiming one (a replay) is served locally. Its destination blocks, per KV cache group, go to
+a second live request claiming one (a replay) is served locally. The samples of ``n > 1``
+share their prompt's blocks in vLLM's prefix cache: sample 0 pulls them, the others wait
+(``None``: not schedulable yet) until that pull ended, then find them as a local hit and
+compute only the last partial block. Its destination blocks, per KV cache group, go to
 the workers in the next step's metadata and never leave Decode. Only once that step came
 back from every worker (their summed :class:`~rd2h.vllm.metadata.WorkerReport`) is the
 rendezvous posted to the configured metaserver (never a URL a request names): Prefill must
@@ -111,18 +114,33 @@ class RD2HScheduler:
         self._recv: dict[str, _Recv] = {}  # req id -> waiting for KV
         self._claims: dict[str, str] = {}  # ext id -> the live req id pulling it (Decode)
         self._claimed: dict[str, str] = {}  # the reverse: req id -> its ext id
+        self._landed: set[str] = set()  # claimed ext ids whose pull ended (their samples may go)
         self._recv_new: list[RecvSpec] = []
         self._recv_abort: list[str] = []
         self._send: dict[str, _Send] = {}  # req id -> being sent
         self._sending: dict[str, str] = {}  # ext id -> the req id sending it (Prefill)
         self._send_finish: list[SendFinish] = []
-        self.stats = {"pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0, "refused_params": 0}
+        self.stats = {
+            "pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0, "refused_params": 0,
+            "samples_from_prefix_cache": 0,
+        }  # fmt: skip
 
     # -- Decode --------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = _params(request)
         if not (self.consumer and params.get("do_remote_prefill")):
+            return 0, False
+        try:
+            ext_id, prompt, sample = accept_decode(self._secret, params.get(PARAMS_KEY), request.request_id, self._clock())
+        except ValueError as exc:
+            self._refuse(request.request_id, str(exc))
+            return 0, False
+        if sample > 0:  # the prompt's blocks come with sample 0's pull, then from the prefix cache
+            leader = ext_id.rsplit("-", 1)[0] + "-0"
+            if leader in self._claims and leader not in self._landed:
+                return None, False  # not schedulable until that pull ended
+            self.stats["samples_from_prefix_cache"] += 1
             return 0, False
         if self._claim(request, params) is None:
             return 0, False
@@ -182,6 +200,8 @@ class RD2HScheduler:
         expected = report.expected if isinstance(report, WorkerReport) else {}
         for req_id in list(output.finished_recving or ()):
             self._recv.pop(req_id, None)
+            if req_id in self._claimed:
+                self._landed.add(self._claimed[req_id])
         for recv in self._recv.values():
             if recv.posted:
                 continue
@@ -277,6 +297,7 @@ class RD2HScheduler:
         claimed = self._claimed.pop(req_id, None)
         if claimed is not None:
             del self._claims[claimed]
+            self._landed.discard(claimed)
         recv = self._recv.pop(req_id, None)
         if recv is not None:  # finished while its KV was awaited: stop the pull
             if not recv.posted and self._poster is not None:

@@ -24,7 +24,8 @@ OPERATOR = {"Authorization": f"Bearer {token(SECRET, 'requests')}"}
 
 
 class Engines:
-    """Decode posts one signed rendezvous per child, then waits for Prefill; Prefill records."""
+    """Decode posts one signed rendezvous per prompt (its sample 0 pulls), then waits for
+    Prefill; Prefill records."""
 
     def __init__(self, proxy: httpx.AsyncClient, *, prefill_fails: bool = False) -> None:
         self.proxy, self.prefill_fails = proxy, prefill_fails
@@ -47,9 +48,8 @@ class Engines:
         self.decode_hosts.append(request.url.host)
         ours = verify(SECRET, body["kv_transfer_params"]["rd2h"], time.time())
         children = ours["prompts"] * ours["samples"]
-        for child in range(children):
-            prompt, sample = divmod(child, ours["samples"])
-            rendezvous = {"ext_id": f"{ours['id']}-{prompt}-{sample}", "endpoint": "127.0.0.1:5600/1", "first_block": child}
+        for prompt in range(ours["prompts"]):
+            rendezvous = {"ext_id": f"{ours['id']}-{prompt}-0", "endpoint": "127.0.0.1:5600/1", "first_block": prompt}
             answer = await self.proxy.post(RENDEZVOUS, json=sign(SECRET, rendezvous, time.time()))
             assert answer.status_code == 200
         await asyncio.wait_for(self.prefilled.wait(), 5)
@@ -165,7 +165,7 @@ def test_a_client_cannot_hijack_another_clients_rendezvous() -> None:
     run(scenario)
 
 
-def test_n_samples_get_one_rendezvous_each_and_prefill_computes_one() -> None:
+def test_n_samples_pull_once_per_prompt_and_prefill_computes_one_sample() -> None:
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
         body = {"model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 3, "min_tokens": 2, "best_of": 2}
         response = await client.post("/v1/completions", json=body)
@@ -174,8 +174,10 @@ def test_n_samples_get_one_rendezvous_each_and_prefill_computes_one() -> None:
         assert (decode["n"], decode["min_tokens"]) == (2, 2)  # Decode serves the client as asked
         (prefill,) = engines.prefill_bodies
         assert "n" not in prefill and "min_tokens" not in prefill and "best_of" not in prefill
-        targets = accept_prefill(SECRET, prefill["kv_transfer_params"]["rd2h"], "cmpl-x-1-abcdef12", time.time())
-        assert [t.first_block for t in targets] == [2, 3]  # prompt 1's two samples
+        (target,) = accept_prefill(SECRET, prefill["kv_transfer_params"]["rd2h"], "cmpl-x-1-abcdef12", time.time())
+        assert target.first_block == 1 and target.ext_id.endswith("-1-0")  # prompt 1, its sample 0
+        sample_1 = sign(SECRET, {"ext_id": target.ext_id[:-1] + "1", "endpoint": "h:1/1"}, time.time())
+        assert (await client.post(RENDEZVOUS, json=sample_1)).status_code in (400, 404)  # samples > 0 never post
 
     run(scenario)
 

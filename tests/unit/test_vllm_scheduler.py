@@ -264,20 +264,27 @@ def test_unvouched_or_malformed_params_are_served_locally_and_counted(model: Pat
         assert not posts.bodies
 
 
-def test_decode_samples_of_n_each_pull_under_an_id_of_their_own(model: Path) -> None:
-    """n=2: vLLM fans the request out into 0_<id> and 1_<id>, which share kv_transfer_params;
-    each pulls under its own id (no DuplicateRequestError, no lost mapping)."""
+def test_decode_sample_0_pulls_and_the_other_samples_wait_for_its_blocks(model: Path) -> None:
+    """n=2: vLLM fans the request out into 0_<id> and 1_<id>, which share kv_transfer_params
+    (and, in the prefix cache, the prompt's blocks). Sample 0 pulls under its own id; sample 1
+    is not schedulable until that pull ended, then finds the blocks as a local hit."""
     scheduler, posts = make_scheduler(model, "kv_consumer")
+    ours = scheduler.connector.scheduler
     params = decode_params("rn", samples=2)
-    for sample in range(2):
-        scheduler.add_request(make_request(f"{sample}_cmpl-n-0-abcdef12", 40, params))
+    leader, follower = "0_cmpl-n-0-abcdef12", "1_cmpl-n-0-abcdef12"
+    for req in (leader, follower):
+        scheduler.add_request(make_request(req, 70, params))
     out = scheduler.schedule()
-    ids = sorted(spec.ext_id for spec in meta_of(out).recv)
-    assert ids == [ext("rn", 0, 0), ext("rn", 0, 1)]
-    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({i: 1 for i in ids})))
-    assert posts.posted.wait(5)
-    scheduler.connector.scheduler._poster.close()
-    assert sorted(b["ext_id"] for b in posts.bodies) == ids
+    assert [spec.ext_id for spec in meta_of(out).recv] == [ext("rn", 0, 0)]
+    assert out.total_num_scheduled_tokens == 0  # sample 1 waits too
+    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({ext("rn"): 1})))
+    assert posts.posted.wait(5) and len(posts.bodies) == 1  # one rendezvous for the prompt
+    out = scheduler.schedule()
+    assert out.total_num_scheduled_tokens == 0
+    scheduler.update_from_output(out, runner_output(out, finished_recving={leader}))
+    out = scheduler.schedule()  # both go: sample 0 computes its last token, sample 1 its last partial block
+    assert out.num_scheduled_tokens == {leader: 1, follower: 70 - 64}
+    assert ours.stats["samples_from_prefix_cache"] == 1
     scheduler.connector.shutdown()
 
 
