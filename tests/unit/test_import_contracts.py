@@ -1,4 +1,4 @@
-"""The import-linter contracts in pyproject.toml hold (`lint-imports`), and they catch a breach."""
+"""The import-linter contracts in pyproject.toml hold (`lint-imports`), and they catch each kind of breach."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import rd2h
 
@@ -30,27 +32,24 @@ def test_the_import_contracts_hold() -> None:
     assert "0 broken" in result.stdout
 
 
-def test_the_contracts_catch_a_pure_module_using_threads_and_the_cli_using_the_test_suite(tmp_path: Path) -> None:
-    copy = tmp_path / "rd2h"
-    shutil.copytree(ROOT / "rd2h", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with (copy / "layout" / "layers.py").open("a") as f:
-        f.write("\nimport threading  # noqa\n")
-    with (copy / "cli" / "peer.py").open("a") as f:
-        f.write("\nimport rd2h.testing.engine_suite  # noqa\n")
-    result = lint_imports(cwd=tmp_path, pythonpath=str(tmp_path))
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "rd2h.layout.layers -> threading" in result.stdout
-    assert "rd2h.cli.peer -> rd2h.testing.engine_suite" in result.stdout
+BREACHES = {
+    "a pure module using threads, the cli using the test suite": {
+        ("layout", "layers.py"): "threading", ("cli", "peer.py"): "rd2h.testing.engine_suite",
+    },
+    "one side importing the other, the wire importing a runtime": {
+        ("prefill", "source.py"): "rd2h.decode.sink", ("wire", "endpoint.py"): "rd2h.prefill.send_tracker",
+    },
+}
 
 
-def test_the_contracts_catch_one_side_importing_the_other_and_the_wire_importing_a_runtime(tmp_path: Path) -> None:
+@pytest.mark.parametrize("breach", list(BREACHES))
+def test_the_contracts_catch_a_breach(tmp_path: Path, breach: str) -> None:
     copy = tmp_path / "rd2h"
     shutil.copytree(ROOT / "rd2h", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with (copy / "prefill" / "source.py").open("a") as f:
-        f.write("\nimport rd2h.decode.sink  # noqa\n")
-    with (copy / "wire" / "endpoint.py").open("a") as f:
-        f.write("\nimport rd2h.prefill.send_tracker  # noqa\n")
+    for (package, module), imported in BREACHES[breach].items():
+        with (copy / package / module).open("a") as f:
+            f.write(f"\nimport {imported}  # noqa\n")
     result = lint_imports(cwd=tmp_path, pythonpath=str(tmp_path))
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "rd2h.prefill.source -> rd2h.decode.sink" in result.stdout
-    assert "rd2h.wire.endpoint -> rd2h.prefill.send_tracker" in result.stdout
+    for (package, module), imported in BREACHES[breach].items():
+        assert f"rd2h.{package}.{module[:-3]} -> {imported}" in result.stdout
