@@ -365,7 +365,7 @@ class SendTracker:
         if not waiting:
             del endpoint.in_flight[reply.layer_idx]
         if isinstance(reply, protocol.ReadFailed):
-            self._fail_named(sent, reply, _reply_error(reply, address), now)
+            self._fail_named(sent, reply, reply.exception(address), now)
         self._answered(sent, now)
         effects.released.append((sent.layer_idx, address))
         return effects
@@ -492,10 +492,3 @@ class SendTracker:
         self._notices.settled(request.ext_id, terminal, request.error, listening)
         del self._requests[request.ext_id]
         self._slots.free(request.slot)
-
-
-def _reply_error(reply: protocol.ReadFailed, address: str) -> RD2HError:
-    """The failure Decode sent, as the rd2h error of its class, its message naming ``address``."""
-    error = reply.exception()
-    error.args = (f"{address}: {error}", *error.args[1:])
-    return error

@@ -261,14 +261,17 @@ class ReadFailed:
         """The reply to a readiness that arrived before any mf_meta on its connection."""
         return cls(layer_idx, META_REQUIRED)
 
-    def exception(self) -> RD2HError:
-        """The failure as an rd2h error of the class Decode sent.
+    def exception(self, sender: str | None = None) -> RD2HError:
+        """The failure as an rd2h error of the class Decode sent, its message naming ``sender``
+        (the Decode address) when given.
 
         A kind this build does not know becomes :class:`~rd2h.errors.RemoteError`. Without a
         kind (a legacy peer) a failure that names no request is a
         :class:`~rd2h.errors.LayerFailedError`, one that names requests a RemoteError.
         """
         message = self.error or f"Decode failed layer {self.layer_idx} without a reason"
+        if sender is not None:
+            message = f"{sender}: {message}"
         if self.error_kind:
             return from_wire(self.error_kind, message)
         return RemoteError(message) if self.failed_ext_ids else LayerFailedError(message)

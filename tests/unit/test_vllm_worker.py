@@ -152,6 +152,7 @@ def test_decode_abort_is_reported_finished_and_failed(pair) -> None:
     _, recving, failed = decode.transfer_results()
     assert recving == {"d-req"}  # vLLM frees its blocks
     assert failed == {"d-req"}
+    assert decode.load_errors() == {3} and decode.load_errors() == set()  # for a vLLM without failed_recving, once
 
 
 @pytest.mark.parametrize("pair", DENSE, indirect=True)
