@@ -16,7 +16,7 @@ Prefill side (one per Prefill TP rank)::
 
 Tensors are torch tensors (cpu, cuda or npu, as the engine allows) or numpy arrays;
 dimension 0 indexes blocks and each block must be one dense page (a contiguous tensor, or a
-strided view whose blocks are contiguous: see ``rd2h.layout.tensors.tensor_layout``).
+strided view whose blocks are contiguous: see ``rd2h.tensors.tensor_layout``).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from rd2h.decode.peer_limits import PeerLimits
 from rd2h.decode.sink import MainSplit, Sink
 from rd2h.errors import ConfigError
 from rd2h.layout.layers import LayerLayout
-from rd2h.layout.tensors import LayerTensors, host_buffer, layer_layout, record_event, tensor_layout
 from rd2h.layout.topology import base_port, decode_ports
 from rd2h.outcome import Outcome, TerminalState
 from rd2h.prefill.source import DecodeEndpoint, Source
+from rd2h.tensors import LayerTensors, host_buffer, layer_layout, record_event, tensor_layout
 
 __all__ = [
     "LayerTensors",

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.layout.tensors import host_buffer
+from rd2h.tensors import host_buffer
 
 __all__ = ["MEMORY_KINDS", "SourceProcess", "fill_pattern", "pool"]
 

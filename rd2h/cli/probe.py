@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from rd2h import plugins
+from rd2h.cli.peer import GAP, GAP_BYTE, PeerProcess, pattern
 from rd2h.errors import BackendError, BackendUnavailableError, ConfigError, PeerGoneError, RegionError, TransferError
 from rd2h.interfaces import Region, Session, TransferEngine
-from rd2h.cli.peer import GAP, GAP_BYTE, PeerProcess, pattern
 
 __all__ = ["CHECKS", "ProbeConfig", "CheckResult", "ProbeReport", "run_probe"]
 

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rd2h.errors import ConfigError, RD2HError, UnknownRequestError
-from rd2h.layout.tensors import LayerTensors, layer_layout, record_event
 from rd2h.outcome import Outcome, TerminalState
+from rd2h.tensors import LayerTensors, layer_layout, record_event
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
 from rd2h.wire.endpoint import DecodeEndpoint

@@ -15,8 +15,8 @@ from typing import Any
 from rd2h import plugins
 from rd2h.clock import Clock
 from rd2h.interfaces import Dialer, Listener
-from rd2h.layout.tensors import LayerTensors, layer_layout
 from rd2h.prefill.source import Source
+from rd2h.tensors import LayerTensors, layer_layout
 from rd2h.wire import protocol
 from rd2h.wire.endpoint import DecodeEndpoint
 

@@ -15,8 +15,8 @@ from rd2h import plugins
 from rd2h.clock import ManualClock
 from rd2h.decode.sink import LayerStat, Sink
 from rd2h.errors import ReplyTimeout
-from rd2h.layout.tensors import layer_layout
 from rd2h.outcome import TerminalState
+from rd2h.tensors import layer_layout
 from rd2h.wire import protocol
 from rd2h.wire.endpoint import DecodeEndpoint
 

@@ -63,11 +63,11 @@ def test_host_buffer_is_page_aligned_zeroed_and_typed() -> None:
 def test_a_misaligned_tensor_is_reported(caplog: pytest.LogCaptureFixture) -> None:
     raw = np.zeros(4096 + 128, np.uint8)
     misaligned = raw[(-raw.ctypes.data) % 64 + 16 :][:4096].reshape(4, 1024)
-    with caplog.at_level("WARNING", logger="rd2h.layout.tensors"):
+    with caplog.at_level("WARNING", logger="rd2h.tensors"):
         tensor_layout(misaligned)
     assert "not 64-byte aligned" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="rd2h.layout.tensors"):
+    with caplog.at_level("WARNING", logger="rd2h.tensors"):
         tensor_layout(torch.zeros(4, 1024, dtype=torch.uint8))
     assert caplog.text == ""
 

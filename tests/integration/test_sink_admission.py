@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from rd2h_local import _metadata
 from test_sink_limits import ARRIVAL_MS, World
 
 from rd2h.clock import ManualClock
@@ -24,7 +25,6 @@ from rd2h.decode.peer_limits import PeerLimits
 from rd2h.wire import protocol
 from rd2h.wire.layer_metadata import encode_layer_metadata
 from rd2h.wire.mf_meta import MfMeta
-from rd2h_local import _metadata
 
 
 class SilentWitness:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rd2h.layout.tensors import host_buffer
+from rd2h.tensors import host_buffer
 
 HUGE = 2 << 20
 

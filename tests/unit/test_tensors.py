@@ -1,4 +1,4 @@
-"""Layouts of strided tensors and their tags (rd2h.layout.tensors), down to the bytes a plan moves."""
+"""Layouts of strided tensors and their tags (rd2h.tensors), down to the bytes a plan moves."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rd2h.errors import ConfigError, LayoutTagMismatch
 from rd2h.layout.layers import LayoutTag, validate_layer
 from rd2h.layout.planning import RequestRead, build_layer_plan
 from rd2h.layout.regions import Region, RegionSet
-from rd2h.layout.tensors import LayerTensors, layer_layout, layout_tag, tensor_layout
+from rd2h.tensors import LayerTensors, layer_layout, layout_tag, tensor_layout
 
 
 def test_a_block_outermost_view_of_one_allocation_registers_as_it_is() -> None:

@@ -20,7 +20,7 @@ from rd2h.layout.layers import LayerLayout, LayoutTag, TensorLayout
 
 __all__ = ["LayerTensors", "tensor_layout", "layout_tag", "layer_layout", "record_event", "host_buffer"]
 
-log = logging.getLogger("rd2h.layout.tensors")
+log = logging.getLogger("rd2h.tensors")
 
 # Copies into or out of memory that is not 64-byte aligned run at about half speed (measured
 # with process_vm_readv here: 2.3-2.5 GB/s at a 16-byte offset, 4-5 GB/s at 0 or 64). numpy
