@@ -106,6 +106,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._scheduler = RD2HScheduler(
                 self.rd2h_config, consumer=consumer, producer=producer, block_sizes=sizes, tp_size=tp,
                 dp_rank=dp_rank, world_size=int(parallel.world_size), secret=secret,
+                prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

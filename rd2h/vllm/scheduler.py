@@ -100,6 +100,7 @@ class RD2HScheduler:
         world_size: int = 1,
         poster: RendezvousPoster | None = None,
         secret: bytes,
+        prefix_caching: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
@@ -107,6 +108,7 @@ class RD2HScheduler:
         self.block_sizes = tuple(block_sizes)
         self.world_size = world_size
         self._secret, self._clock = secret, clock
+        self._prefix_caching = prefix_caching  # samples > 0 reuse sample 0's pull through it
         self.endpoint = DecodeEndpoint(config.advertised, base_port(config.kv_port, dp_rank, tp_size), tp_size)
         self._poster = poster if poster is not None or not consumer else RendezvousPoster(
             retries=config.metaserver_retries
@@ -122,7 +124,7 @@ class RD2HScheduler:
         self._send_finish: list[SendFinish] = []
         self.stats = {
             "pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0, "refused_params": 0,
-            "samples_from_prefix_cache": 0,
+            "samples_from_prefix_cache": 0, "samples_computed_here": 0,
         }  # fmt: skip
 
     # -- Decode --------------------------------------------------------------------------
@@ -140,27 +142,30 @@ class RD2HScheduler:
             leader = ext_id.rsplit("-", 1)[0] + "-0"
             if leader in self._claims and leader not in self._landed:
                 return None, False  # not schedulable until that pull ended
-            self.stats["samples_from_prefix_cache"] += 1
+            if self._prefix_caching:
+                self.stats["samples_from_prefix_cache"] += 1
+            else:
+                self.stats["samples_computed_here"] += 1
+                log.warning(
+                    "request %s: sample %d computes its whole prompt here: Decode runs without prefix caching, "
+                    "so only sample 0 gets the pulled KV (%d such samples so far)",
+                    request.request_id, sample, self.stats["samples_computed_here"],
+                )  # fmt: skip
             return 0, False
-        if self._claim(request, params) is None:
+        if not self._claim(request.request_id, ext_id):
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _claim(self, request: Any, params: Mapping[str, Any]) -> str | None:
-        """The ext id ``request`` pulls, claimed for it; None (logged, counted: the request is
-        computed here) when its parameters are not vouched for or another live request holds
-        that id."""
-        req_id = request.request_id
-        try:
-            ext_id, _, _ = accept_decode(self._secret, params.get(PARAMS_KEY), req_id, self._clock())
-        except ValueError as exc:
-            return self._refuse(req_id, str(exc))
+    def _claim(self, req_id: str, ext_id: str) -> bool:
+        """Claim ``ext_id`` for ``req_id``; False (logged, counted: the request is computed here)
+        when another live request holds it (a replay of the same signed fields)."""
         holder = self._claims.setdefault(ext_id, req_id)
         if holder != req_id:
-            return self._refuse(req_id, f"id {ext_id} is already pulled by live request {holder}")
+            self._refuse(req_id, f"id {ext_id} is already pulled by live request {holder}")
+            return False
         self._claimed[req_id] = ext_id
-        return ext_id
+        return True
 
     def _refuse(self, req_id: str, why: str) -> None:
         self.stats["refused_params"] += 1
@@ -175,8 +180,8 @@ class RD2HScheduler:
             self._track_send(request, params)
         if not (self.consumer and params.get("do_remote_prefill") and num_external_tokens > 0):
             return
-        ext_id = self._claim(request, params)
-        if ext_id is None:  # not after get_num_new_matched_tokens accepted it (the same check)
+        ext_id = self._claimed.get(request.request_id)  # claimed when it reported external tokens
+        if ext_id is None:
             return
         num_tokens = len(request.prompt_token_ids)
         local = num_tokens - num_external_tokens  # a block-aligned local prefix-cache hit

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -285,6 +286,20 @@ def test_decode_sample_0_pulls_and_the_other_samples_wait_for_its_blocks(model: 
     out = scheduler.schedule()  # both go: sample 0 computes its last token, sample 1 its last partial block
     assert out.num_scheduled_tokens == {leader: 1, follower: 70 - 64}
     assert ours.stats["samples_from_prefix_cache"] == 1
+    scheduler.connector.shutdown()
+
+
+def test_decode_without_prefix_caching_samples_compute_here_and_say_so(model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Without prefix caching sample 1 cannot reuse sample 0's pulled blocks: it computes its
+    prompt here, and the engine says so with a count instead of falling back in silence."""
+    scheduler, _ = make_scheduler(model, "kv_consumer", prefix_caching=False)
+    ours = scheduler.connector.scheduler
+    params = decode_params("rq", samples=2)
+    assert ours.get_num_new_matched_tokens(make_request("0_cmpl-q-0-abcdef12", 70, params), 0) == (70, True)
+    ours.update_connector_output(SimpleNamespace(finished_recving={"0_cmpl-q-0-abcdef12"}))  # its pull ended
+    with caplog.at_level("WARNING", logger="rd2h.vllm.scheduler"):
+        assert ours.get_num_new_matched_tokens(make_request("1_cmpl-q-0-abcdef12", 70, params), 0) == (0, False)
+    assert ours.stats["samples_computed_here"] == 1 and "without prefix caching" in caplog.text
     scheduler.connector.shutdown()
 
 

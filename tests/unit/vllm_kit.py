@@ -54,7 +54,7 @@ def _extra(model: Path, role: str, extra: dict | None) -> dict[str, Any]:
 
 def make_scheduler(
     model: Path, role: str, *, num_blocks: int = 64, batched: int = 128, extra: dict | None = None,
-    connector: str = "RD2HConnector",
+    connector: str = "RD2HConnector", prefix_caching: bool = True,
 ):
     import torch
     from vllm.config import (
@@ -80,7 +80,7 @@ def make_scheduler(
     config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
                                  enforce_eager=True),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched, max_model_len=512,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role=role,
