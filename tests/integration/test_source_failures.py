@@ -12,6 +12,7 @@ from rd2h.api import KVSink, KVSource
 from rd2h.clock import ManualClock
 from rd2h.errors import (
     DuplicateRequestError,
+    GateTimeout,
     LayerFailedError,
     ReplyTimeout,
     UnknownRequestError,
@@ -191,3 +192,30 @@ def test_a_failed_last_layer_still_finishes_the_request_as_failed(kv_port: int) 
         source.layer_ready("l1", _BrokenEvent())
         results = source.wait_finished(["r"], 10)
         assert results["r"].state is TerminalState.FAILED
+
+
+def test_without_slot_reuse_a_layer_goes_out_again_while_decode_still_reads_the_last_one(kv_port: int) -> None:
+    """vLLM's paged cache (``reuse_slots=False``): step 2 announces layer 0 for another request
+    while Decode has not answered step 1's layer 0. Nothing waits, nothing raises; the replies,
+    in order, settle each request. With slot reuse the same wait times out (the gate holds)."""
+    with ScriptedDecode(kv_port) as decode, memory_source(_layers(1), ManualClock(), reuse_slots=False) as source:
+        for ext_id, block in (("a", 1), ("b", 2)):
+            source.add_request(ext_id, decode.endpoint, main_block_ids=[block], num_tokens=BLOCK)
+            source.schedule({ext_id: BLOCK})
+            source.wait_for_layer_send("l0", timeout=0)  # returns at once: no slot to wait for
+            source.layer_ready("l0")
+        readies = [decode.readiness() for _ in range(2)]
+        assert [r.read_reqs[0].ext_req_id for _, r in readies] == ["a", "b"]
+        for peer, ready in readies:
+            decode.reply(peer, protocol.ReadDone(ready.layer_idx))
+        outcomes = source.wait_finished(["a", "b"], 10)
+        assert all(o.ok for o in outcomes.values())
+    with ScriptedDecode(kv_port) as decode, memory_source(_layers(1), ManualClock()) as source:
+        source.add_request("a", decode.endpoint, main_block_ids=[1], num_tokens=BLOCK)
+        source.schedule({"a": BLOCK})
+        source.layer_ready("l0")
+        peer, ready = decode.readiness()
+        with pytest.raises(GateTimeout):  # the control: a reused slot waits for Decode's reply
+            source.wait_for_layer_send("l0", timeout=0)
+        decode.reply(peer, protocol.ReadDone(ready.layer_idx))
+        assert source.wait_finished(["a"], 10)["a"].ok

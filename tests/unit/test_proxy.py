@@ -33,6 +33,7 @@ class Engines:
         self.decode_bodies: list[dict[str, Any]] = []
         self.decode_hosts: list[str] = []
         self.prefilled = asyncio.Event()
+        self.decode_seen = asyncio.Event()
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
@@ -45,6 +46,7 @@ class Engines:
             self.prefilled.set()
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
         self.decode_bodies.append(body)
+        self.decode_seen.set()
         self.decode_hosts.append(request.url.host)
         ours = verify(SECRET, body["kv_transfer_params"]["rd2h"], time.time())
         children = ours["prompts"] * ours["samples"]
@@ -152,8 +154,7 @@ def test_a_client_cannot_hijack_another_clients_rendezvous() -> None:
     the secret its rendezvous is refused, and Prefill is given the Decode's endpoint only."""
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
         victim = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 2}))
-        while not engines.decode_bodies:
-            await asyncio.sleep(0)
+        await asyncio.wait_for(engines.decode_seen.wait(), 5)
         rid = verify(SECRET, engines.decode_bodies[0]["kv_transfer_params"]["rd2h"], time.time())["id"]
         forged = {"ext_id": f"{rid}-0-0", "endpoint": "attacker.example:6666/1", "id": rid, "child": 0}
         assert (await client.post(RENDEZVOUS, json=forged, headers={"Host": "attacker.example"})).status_code == 403
