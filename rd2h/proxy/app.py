@@ -110,7 +110,6 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 class _Pending:
     rid: str
     prompts: int
-    samples: int
     futures: list[asyncio.Future[dict[str, Any]]]  # one per prompt: its sample 0 pulls
     record: dict[str, Any] = field(default_factory=dict)
 
@@ -186,7 +185,7 @@ class _Proxy:
         rid = secrets.token_hex(16)  # unguessable: it names the request on both engines
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(prompts)]
-        pending = _Pending(rid, prompts, samples, futures, {"id": rid, "path": path})
+        pending = _Pending(rid, prompts, futures, {"id": rid, "path": path})
         self.pending[rid] = pending
         self.recent.append(pending.record)
         started = time.monotonic()
