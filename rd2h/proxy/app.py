@@ -18,7 +18,11 @@ Failures: a transport error before a request reached an engine (connect errors) 
 retried with exponential backoff, on the next instance of that kind. Anything after that
 (the engine died while holding the request, or answered an HTTP error) fails the client's
 request at once with 502, and the Decode request is cancelled (closing its connection
-makes vLLM abort it, and the connector releases its blocks).
+makes vLLM abort it, and the connector releases its blocks); except where Decode's
+rendezvous said its ``kv_load_failure_policy`` is ``recompute`` and Prefill failed before
+Decode sent the client anything: then the proxy honours that policy itself, at once: the
+client's request goes to a Decode engine again as a plain request, which computes its prompt
+(logged, counted in ``/health``'s ``recomputed``).
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ class ProxyConfig:
 
 class EngineError(Exception):
     """An engine failed a request (transport error after it was sent, or HTTP error)."""
+
+
+class PrefillFailed(EngineError):
+    """Prefill failed a request after the rendezvous was handed to it: Decode may recompute."""
 
 
 def children_of(body: dict[str, Any], path: str) -> int:
@@ -112,6 +120,7 @@ class _Pending:
     prompts: int
     futures: list[asyncio.Future[dict[str, Any]]]  # one per prompt: its sample 0 pulls
     record: dict[str, Any] = field(default_factory=dict)
+    recompute: bool = False  # every Decode that posted recomputes a failed load (its policy)
 
 
 class _Proxy:
@@ -123,6 +132,7 @@ class _Proxy:
         self._decode = itertools.cycle([u.rstrip("/") for u in config.decode])
         self.pending: dict[str, _Pending] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=256)
+        self.recomputed = 0  # requests whose Prefill failed, served by a Decode computing the prompt
         self.client: httpx.AsyncClient | None = None
 
     # -- engines -------------------------------------------------------------------------
@@ -158,16 +168,28 @@ class _Proxy:
             {k: r.get(k) for k in ("endpoint", "first_block", "num_tokens")} for r in found
         ]
         targets = {p: [found[p]] for p in range(pending.prompts)}
+        pending.recompute = all(r.get("on_load_failure") == "recompute" for r in found)
         leg = prefill_body(body)
         leg["kv_transfer_params"] = {
             "do_remote_decode": True,
             "rd2h": prefill_fields(self.config.secret, pending.rid, pending.prompts, 1, targets, time.time()),
         }
         sent = time.monotonic()
-        response = await self._send(self._prefill, path, leg, stream=False)
+        try:
+            response = await self._send(self._prefill, path, leg, stream=False)
+        except EngineError as exc:
+            raise PrefillFailed(str(exc)) from exc
         pending.record["prefill_ms"] = round((time.monotonic() - sent) * 1e3, 1)
         if response.status_code >= 400:
-            raise EngineError(f"Prefill answered {response.status_code}: {response.text[:300]}")
+            raise PrefillFailed(f"Prefill answered {response.status_code}: {response.text[:300]}")
+
+    async def recompute(self, pending: _Pending, path: str, body: dict[str, Any], error: Exception) -> httpx.Response:
+        """Prefill failed and Decode's policy is ``recompute``: Decode computes the prompt."""
+        log.warning("request %s: Prefill failed (%s); a Decode computes the prompt (kv_load_failure_policy "
+                    "recompute; %d so far)", pending.rid, error, self.recomputed + 1)
+        self.recomputed += 1
+        pending.record["recomputed"] = str(error)
+        return await self._send(self._decode, path, body, stream=bool(body.get("stream")))
 
     # -- requests ------------------------------------------------------------------------
 
@@ -197,18 +219,23 @@ class _Proxy:
         prefill = asyncio.create_task(self.prefill(pending, path, body))
         decode = asyncio.create_task(self._send(self._decode, path, decode_body, stream=stream))
         try:
-            response = await self._first(decode, prefill)
+            try:
+                response = await self._first(decode, prefill)
+            except PrefillFailed as exc:
+                if not pending.recompute:
+                    raise
+                response = await self.recompute(pending, path, body, exc)
         except EngineError as exc:
             self._finish(pending, started, 502, str(exc))
             return JSONResponse({"error": {"message": str(exc), "type": "rd2h_proxy_error"}}, status_code=502)
         if not stream:
             data = await response.aread()
             await response.aclose()
-            await self._settle(prefill)
+            await self._settle(prefill, pending)
             self._finish(pending, started, response.status_code)
             return Response(data, status_code=response.status_code, media_type=response.headers.get("content-type"))
         return StreamingResponse(
-            self._relay(response, prefill, pending, started), status_code=response.status_code,
+            self._relay(response, prefill, pending, started, (path, body)), status_code=response.status_code,
             media_type=response.headers.get("content-type", "text/event-stream"),
         )
 
@@ -217,7 +244,8 @@ class _Proxy:
         done, _ = await asyncio.wait({decode, prefill}, return_when=asyncio.FIRST_COMPLETED)
         if prefill in done and prefill.exception() is not None:
             await _cancel(decode)
-            raise EngineError(str(prefill.exception()))
+            failed = prefill.exception()
+            raise failed if isinstance(failed, EngineError) else EngineError(str(failed))
         try:
             response = await decode
         except EngineError:
@@ -227,36 +255,53 @@ class _Proxy:
             await _cancel(prefill)
         return response
 
-    async def _settle(self, prefill: asyncio.Task[None]) -> None:
+    async def _settle(self, prefill: asyncio.Task[None], pending: _Pending) -> None:
         """Decode answered: Prefill's part has served its purpose; do not leave it running."""
         if not prefill.done():
             await _cancel(prefill)
-        elif not prefill.cancelled() and prefill.exception() is not None:
+        elif not prefill.cancelled() and prefill.exception() is not None and "recomputed" not in pending.record:
             log.warning("Prefill failed after Decode answered: %s", prefill.exception())
 
     async def _relay(
-        self, response: httpx.Response, prefill: asyncio.Task[None], pending: _Pending, started: float
+        self, response: httpx.Response, prefill: asyncio.Task[None], pending: _Pending, started: float,
+        request: tuple[str, dict[str, Any]],
     ) -> AsyncIterator[bytes]:
+        """Decode's stream. Until its first chunk, a Prefill failure ends it with an error event
+        (or, under Decode's ``recompute`` policy, switches to a Decode computing the prompt);
+        after it, Decode had its KV whole (it emits nothing before) and Prefill no longer matters."""
         chunks = response.aiter_raw()
         status = response.status_code
+        relayed = False
         try:
             while True:
                 next_chunk = asyncio.ensure_future(chunks.__anext__())
-                waiting = {next_chunk} | ({prefill} if not prefill.done() else set())
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if prefill in done and not prefill.cancelled() and prefill.exception() is not None:
+                if not relayed:
+                    await asyncio.wait({next_chunk, prefill}, return_when=asyncio.FIRST_COMPLETED)
+                failed = not relayed and _failure(prefill)
+                if failed:
                     await _cancel(next_chunk)
+                    if isinstance(failed, PrefillFailed) and pending.recompute:
+                        await response.aclose()
+                        try:
+                            response = await self.recompute(pending, *request, failed)
+                        except EngineError as exc:
+                            failed = exc
+                        else:
+                            chunks, status, relayed = response.aiter_raw(), response.status_code, True
+                            continue
                     status = 502
-                    error = {"error": {"message": str(prefill.exception()), "type": "rd2h_proxy_error"}}
+                    error = {"error": {"message": str(failed), "type": "rd2h_proxy_error"}}
                     yield f"data: {json.dumps(error)}\n\n".encode()
                     return
                 try:
-                    yield await next_chunk
+                    chunk = await next_chunk
                 except StopAsyncIteration:
                     return
+                relayed = relayed or bool(chunk)
+                yield chunk
         finally:
             await response.aclose()
-            await self._settle(prefill)
+            await self._settle(prefill, pending)
             self._finish(pending, started, status)
 
     def _finish(self, pending: _Pending, started: float, status: int, error: str = "") -> None:
@@ -292,6 +337,13 @@ class _Proxy:
         """The request list names in-flight ids: only for holders of the operator token."""
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         return hmac.compare_digest(given, token(self.config.secret, "requests"))
+
+
+def _failure(task: asyncio.Future[Any]) -> BaseException | None:
+    """The exception a finished task ended with (None while it runs, or if cancelled)."""
+    if not task.done() or task.cancelled():
+        return None
+    return task.exception()
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:
@@ -343,6 +395,6 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "pending": len(proxy.pending)}
+        return {"status": "ok", "pending": len(proxy.pending), "recomputed": proxy.recomputed}
 
     return app

@@ -93,7 +93,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if consumer and not self.rd2h_config.metaserver:
             raise ConfigError(
                 "a Decode engine (kv_consumer) needs kv_connector_extra_config 'metaserver': the proxy's "
-                "rendezvous URL (rd2h proxy --rendezvous-port); a request never names where Decode posts"
+                "rendezvous URL (http://PROXY/v1/rd2h/rendezvous); a request never names where Decode posts"
             )
         parallel = vllm_config.parallel_config
         tp = int(parallel.tensor_parallel_size)
@@ -107,6 +107,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self.rd2h_config, consumer=consumer, producer=producer, block_sizes=sizes, tp_size=tp,
                 dp_rank=dp_rank, world_size=int(parallel.world_size), secret=secret,
                 prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
+                # a vLLM without the setting fails a failed load
+                load_failure_policy=str(getattr(transfer, "kv_load_failure_policy", "fail")),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

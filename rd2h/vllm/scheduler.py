@@ -101,6 +101,7 @@ class RD2HScheduler:
         poster: RendezvousPoster | None = None,
         secret: bytes,
         prefix_caching: bool = True,
+        load_failure_policy: str = "fail",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
@@ -109,6 +110,7 @@ class RD2HScheduler:
         self.world_size = world_size
         self._secret, self._clock = secret, clock
         self._prefix_caching = prefix_caching  # samples > 0 reuse sample 0's pull through it
+        self._load_failure_policy = load_failure_policy  # told to the proxy: it acts on it if Prefill fails
         self.endpoint = DecodeEndpoint(config.advertised, base_port(config.kv_port, dp_rank, tp_size), tp_size)
         self._poster = poster if poster is not None or not consumer else RendezvousPoster(
             retries=config.metaserver_retries
@@ -193,6 +195,7 @@ class RD2HScheduler:
         body = {
             "ext_id": ext_id, "endpoint": str(self.endpoint), "first_block": first_block, "num_tokens": num_tokens,
             "decode_tp": self.endpoint.tp_size, "block_size": self.block_sizes[0], "mode": self.config.mode.value,
+            "on_load_failure": self._load_failure_policy,
         }  # fmt: skip
         self._recv[request.request_id] = _Recv(ext_id, body)
         self.stats["pulled_tokens"] += num_external_tokens

@@ -9,6 +9,7 @@ token; a negative control shows that the assertion depends on the transferred by
 from __future__ import annotations
 
 import importlib.util
+import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +28,9 @@ LONG = " ".join(_WORDS[i % len(_WORDS)] + ("" if i % 7 else " kalomi") for i in 
 # a prompt list (three engine requests on Decode), one of them ~490 tokens: with
 # max_num_batched_tokens=128 Prefill computes it over four steps, learning blocks as it goes
 PROMPTS = ["the quick brown fox", LONG, "a tiny model learns to decode " * 5]
+# a stall behind a Decode that does not answer lasts up to reply_timeout (90 s here): a
+# third of it tells a stall from a slow CI machine
+STALL_BOUND = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +154,11 @@ PARAMETER_CASES = {
     "logprobs": {"logprobs": 2, "temperature": 0, "max_tokens": 6, "ignore_eos": True},
     "max_tokens=1": {"max_tokens": 1, "temperature": 0},
     "echo": {"echo": True, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    "response_format": {  # structured output (xgrammar): Decode's grammar starts at its first token
+        "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {
+            "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}},
+        "max_tokens": 12, "temperature": 0,
+    },
 }
 
 
@@ -208,6 +217,74 @@ def test_a_clients_own_kv_transfer_params_steer_nothing(cluster: Any) -> None:
     assert complete(cluster.url("proxy"), PROMPTS[:1], max_tokens=6) == expected  # and P/D goes on
 
 
+def test_a_stopped_decode_costs_prefill_nothing_but_its_own_requests(cluster: Any) -> None:
+    """Issue 17 item 5. Two Decodes share one Prefill (two proxies). Decode A is SIGSTOPped
+    once its rendezvous for a long prompt (four Prefill steps) is posted: Prefill announces
+    that prompt's layers to a Decode that never answers. Decode B's requests keep their
+    latency (a save that waited on A's replies would hold them up to reply_timeout, 90 s);
+    A, resumed, still gets its tokens."""
+    import httpx
+
+    cluster.ensure()
+    cluster.add_decode("decode2", "proxy2")
+    try:
+        body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                "ignore_eos": True}
+        expected = _tokens(_post(cluster.url("prefill"), body))
+        long_body = {**body, "prompt": LONG}
+        long_expected = _tokens(_post(cluster.url("prefill"), long_body))
+
+        def timed_on_b() -> float:
+            started = time.monotonic()
+            assert _tokens(_post(cluster.url("proxy2"), body)) == expected
+            return time.monotonic() - started
+
+        before = sorted(timed_on_b() for _ in range(3))
+        result: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: result.update(response=_post(cluster.url("proxy"), long_body, ok=False)))
+        thread.start()
+        decode_a = cluster.procs["decode"]
+        deadline, tick = time.monotonic() + 60, threading.Event()
+        while True:  # a bounded poll of the proxy's state: A posted its rendezvous
+            records = httpx.get(cluster.url("proxy") + "/v1/rd2h/requests", headers=cluster.operator_headers(),
+                                timeout=5).json()
+            if records and "children" in records[-1] and "status" not in records[-1]:
+                break
+            assert time.monotonic() < deadline and thread.is_alive(), "Decode A never posted its rendezvous"
+            tick.wait(0.01)
+        decode_a.kill(signal.SIGSTOP)
+        try:
+            during = sorted(timed_on_b() for _ in range(3))
+        finally:
+            decode_a.kill(signal.SIGCONT)
+        thread.join(150)
+        assert not thread.is_alive(), "Decode A's request never ended after it resumed"
+        print(f"\nDecode B's latency, s: with A running {before}, with A stopped {during}; "
+              f"median ratio {during[1] / before[1]:.2f}")
+        assert during[-1] < STALL_BOUND, (before, during)
+        assert result["response"].status_code == 200, result["response"].text
+        assert _tokens(result["response"]) == long_expected
+    finally:
+        cluster.remove("proxy2", "decode2")
+
+
+def test_decode_preempts_under_a_tiny_kv_cache(cluster: Any) -> None:
+    """A Decode with 20 blocks of KV cache serves six prompts that need ~40: vLLM preempts
+    running requests (their pulled KV is freed) and computes them again; the tokens still
+    equal the single engine's, and a preempted request never pulls a second time."""
+    import httpx
+
+    cluster.ensure(decode={"_engine_args": ["--num-gpu-blocks-override", "20"]})
+    prompts = [f"{_WORDS[i]} {_WORDS[i + 1]} " + PROMPTS[2] for i in range(6)]
+    expected = complete(cluster.url("prefill"), prompts, max_tokens=96, timeout=300)
+    assert complete(cluster.url("proxy"), prompts, max_tokens=96, timeout=300) == expected
+    metrics = httpx.get(cluster.url("decode") + "/metrics", timeout=5).text
+    preemptions = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                      if line.startswith("vllm:num_preemptions_total"))
+    assert preemptions > 0, "the test did not make Decode preempt"
+    assert len(last_record(cluster)["children"]) == 6
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_failed_pull_never_decodes_on_what_did_not_arrive(cluster: Any, baseline: list[list[int]], policy: str) -> None:
     """Every read on Decode fails (test hook). vLLM's kv_load_failure_policy decides: recompute
@@ -242,34 +319,48 @@ def test_restarted_decode_serves_the_next_batch(cluster: Any, baseline: list[lis
     assert complete(cluster.url("proxy"), PROMPTS) == baseline
 
 
-def test_killed_prefill_fails_the_request_cleanly(cluster: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_prefill_killed_mid_transfer(cluster: Any, baseline: list[list[int]], tmp_path: Path, policy: str) -> None:
+    """Prefill is killed after announcing layer 0 of a request (test hook: it holds before
+    layer 1). Decode's kv_load_failure_policy decides what the client sees: ``fail`` an error
+    at once, ``recompute`` the single engine's tokens (the proxy has a Decode compute the
+    prompt). Either way nothing stays pending and both engines' survivors keep serving."""
     import httpx
 
     hold = tmp_path / "hold"
-    cluster.ensure(prefill={"_test_hold_file": str(hold)}, decode=cluster.extra["decode"])
+    decode = {"kv_load_failure_policy": "recompute"} if policy == "recompute" else {}  # vLLM's default: fail
+    cluster.ensure(prefill={"_test_hold_file": str(hold), "_test_hold_layer": 1}, decode=decode)
     result: dict[str, Any] = {}
 
     def client() -> None:
-        started = time.monotonic()
-        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0, "return_token_ids": True,
+                "ignore_eos": True}
         response = httpx.post(cluster.url("proxy") + "/v1/completions", json=body, timeout=120)
-        result.update(status=response.status_code, body=response.text, seconds=time.monotonic() - started)
+        result.update(status=response.status_code, body=response.text, response=response)
 
+    recomputed_before = httpx.get(cluster.url("proxy") + "/health", timeout=5).json()["recomputed"]
     thread = threading.Thread(target=client)
     thread.start()
     prefill = cluster.procs["prefill"]
     deadline = time.monotonic() + 60
-    while not Path(f"{hold}.held").exists():  # Prefill's worker has the request in hand
-        assert time.monotonic() < deadline, "Prefill never received the request"
+    while not Path(f"{hold}.held").exists():  # Prefill announced layer 0 and holds before layer 1
+        assert time.monotonic() < deadline, "Prefill never reached layer 1 of the request"
         with pytest.raises(subprocess.TimeoutExpired):
             prefill.proc.wait(0.05)  # the tick of a bounded poll; Prefill must stay alive
     killed = time.monotonic()
     prefill.kill()
-    thread.join(60)
-    assert not thread.is_alive(), "the client got no answer within 60 s of the kill"
-    assert result["status"] == 502, result
-    assert "rd2h_proxy_error" in result["body"]
-    assert time.monotonic() - killed < 30
-    # Decode aborted that request (its blocks freed) and keeps serving others
+    thread.join(90)
+    assert not thread.is_alive(), "the client got no answer within 90 s of the kill"
+    health = httpx.get(cluster.url("proxy") + "/health", timeout=5).json()
+    if policy == "fail":
+        assert result["status"] == 502 and "rd2h_proxy_error" in result["body"], result["body"]
+        assert time.monotonic() - killed < 30
+        assert health["recomputed"] == recomputed_before
+    else:
+        assert result["status"] == 200, result["body"]
+        assert _tokens(result["response"]) == [baseline[2]]
+        assert health["recomputed"] == recomputed_before + 1
+        assert "recomputed" in last_record(cluster)
+    assert health["pending"] == 0
+    # Decode dropped that pull (its blocks freed) and keeps serving
     assert complete(cluster.url("decode"), PROMPTS[:1], max_tokens=4)[0]
-    assert httpx.get(cluster.url("proxy") + "/health", timeout=5).json()["pending"] == 0

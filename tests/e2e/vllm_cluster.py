@@ -165,21 +165,25 @@ class Cluster:
 
     def _engine(self, role: str, extra: dict[str, Any]) -> Process:
         """``extra``'s ``_test_*`` keys load the test-only connector (tests/kit/vllm/
-        rd2h_test_connector.py) with that hook on; ``kv_load_failure_policy`` is vLLM's; the
-        rest is rd2h's config."""
+        rd2h_test_connector.py) with that hook on; ``kv_load_failure_policy`` is vLLM's;
+        ``_engine_args`` are more vLLM command-line arguments; the rest is rd2h's config.
+        A role whose name starts with ``decode`` is a Decode engine (``decode2``: another)."""
+        kind = "decode" if role.startswith("decode") else "prefill"
+        engine_args = list(extra.get("_engine_args", ()))
+        extra = {k: v for k, v in extra.items() if k != "_engine_args"}
         hooks = {key: value for key, value in extra.items() if key.startswith("_test_")}
         # vLLM's own transfer settings (kv_load_failure_policy) sit beside rd2h's config
         vllm_keys = {key: extra[key] for key in ("kv_load_failure_policy",) if key in extra}
         extra = {k: v for k, v in extra.items() if k not in vllm_keys}
         config: dict[str, Any] = {
             "kv_connector": "RD2HConnector",  # found through the entry point alone
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_role": "kv_producer" if kind == "prefill" else "kv_consumer",
             "kv_connector_extra_config": {
                 "kv_port": self.kv_port, **STARVED_TIMEOUTS, **{k: v for k, v in extra.items() if k not in hooks}
             },
         }
         config.update(vllm_keys)
-        if role == "decode":  # where Decode posts its rendezvous: configured, never taken from a request
+        if kind == "decode":  # where Decode posts its rendezvous: configured, never taken from a request
             config["kv_connector_extra_config"].setdefault("metaserver", self.url("proxy") + "/v1/rd2h/rendezvous")
         hook_env = {}
         if hooks:
@@ -189,6 +193,8 @@ class Cluster:
                 hook_env["RD2H_TEST_CORRUPT"] = "1"
             if "_test_hold_file" in hooks:
                 hook_env["RD2H_TEST_HOLD_FILE"] = str(hooks.pop("_test_hold_file"))
+            if "_test_hold_layer" in hooks:
+                hook_env["RD2H_TEST_HOLD_LAYER"] = str(hooks.pop("_test_hold_layer"))
             if hooks.pop("_test_fail_reads", False):
                 hook_env["RD2H_TEST_FAIL_READS"] = "1"
             assert not hooks, f"unknown test hooks {sorted(hooks)}"
@@ -197,6 +203,7 @@ class Cluster:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.ports[role]), *ENGINE_ARGS,
             "--kv-transfer-config", json.dumps(config), "--tensor-parallel-size", str(self.tp[role]),
+            *engine_args,
         ]
         env = {**ENGINE_ENV, "VLLM_CACHE_ROOT": str(self.workdir / "cache")}
         if self.tp[role] > 1:  # several workers on a small machine: no core pinning
@@ -224,12 +231,37 @@ class Cluster:
         for role in started:
             self.procs[role].wait_healthy(self.url(role), timeout=240)
         if "proxy" not in self.procs:
-            argv = [
-                sys.executable, "-m", "rd2h.cli.main", "proxy", "--port", str(self.ports["proxy"]),
-                "--prefill", self.url("prefill"), "--decode", self.url("decode"), "--rendezvous-timeout", "60",
-            ]
-            self.procs["proxy"] = Process("proxy", argv, self.workdir / "proxy.log", self.env)
-            self.procs["proxy"].wait_healthy(self.url("proxy"), timeout=30)
+            self._proxy("proxy", "decode")
+
+    def add_decode(self, role: str, proxy: str, extra: dict[str, Any] | None = None) -> None:
+        """Another Decode engine ``role`` (a ``kv_port`` range of its own) and a proxy ``proxy``
+        in front of the same Prefill and it: two Decodes served by one Prefill."""
+        if role in self.procs and self.procs[role].proc.poll() is None:
+            return
+        self.ports.setdefault(role, free_base_port(1))
+        self.ports.setdefault(proxy, free_base_port(1))
+        self.tp.setdefault(role, self.tp["decode"])
+        extra = {"kv_port": free_base_port(2 * max(4, self.tp[role])),
+                 "metaserver": self.url(proxy) + "/v1/rd2h/rendezvous", **(extra or {})}
+        self.procs[role] = self._engine(role, extra)
+        self.extra[role] = extra
+        self.procs[role].wait_healthy(self.url(role), timeout=240)
+        self._proxy(proxy, role)
+
+    def _proxy(self, name: str, decode: str) -> None:
+        argv = [
+            sys.executable, "-m", "rd2h.cli.main", "proxy", "--port", str(self.ports[name]),
+            "--prefill", self.url("prefill"), "--decode", self.url(decode), "--rendezvous-timeout", "60",
+        ]
+        self.procs[name] = Process(name, argv, self.workdir / f"{name}.log", self.env)
+        self.procs[name].wait_healthy(self.url(name), timeout=30)
+
+    def remove(self, *roles: str) -> None:
+        """Stop these processes for good (an engine or proxy added with :meth:`add_decode`)."""
+        for role in roles:
+            proc = self.procs.pop(role, None)
+            if proc is not None:
+                proc.stop()
 
     def restart(self, role: str) -> None:
         """Stop ``role`` and start it again with the same settings."""

@@ -24,11 +24,13 @@ OPERATOR = {"Authorization": f"Bearer {token(SECRET, 'requests')}"}
 
 
 class Engines:
-    """Decode posts one signed rendezvous per prompt (its sample 0 pulls), then waits for
-    Prefill; Prefill records."""
+    """Decode posts one signed rendezvous per prompt (its sample 0 pulls, its
+    ``kv_load_failure_policy`` said), then waits for Prefill (a streamed answer sends its
+    headers first, as vLLM does); a plain request (no kv_transfer_params) it answers at once.
+    Prefill records."""
 
-    def __init__(self, proxy: httpx.AsyncClient, *, prefill_fails: bool = False) -> None:
-        self.proxy, self.prefill_fails = proxy, prefill_fails
+    def __init__(self, proxy: httpx.AsyncClient, *, prefill_fails: bool = False, policy: str = "fail") -> None:
+        self.proxy, self.prefill_fails, self.policy = proxy, prefill_fails, policy
         self.prefill_bodies: list[dict[str, Any]] = []
         self.decode_bodies: list[dict[str, Any]] = []
         self.decode_hosts: list[str] = []
@@ -48,21 +50,38 @@ class Engines:
         self.decode_bodies.append(body)
         self.decode_seen.set()
         self.decode_hosts.append(request.url.host)
+        if "kv_transfer_params" not in body:  # computed here
+            return self._answer(body, 1, "computed", ready=None)
         ours = verify(SECRET, body["kv_transfer_params"]["rd2h"], time.time())
         children = ours["prompts"] * ours["samples"]
         for prompt in range(ours["prompts"]):
-            rendezvous = {"ext_id": f"{ours['id']}-{prompt}-0", "endpoint": "127.0.0.1:5600/1", "first_block": prompt}
+            rendezvous = {"ext_id": f"{ours['id']}-{prompt}-0", "endpoint": "127.0.0.1:5600/1", "first_block": prompt,
+                          "on_load_failure": self.policy}
             answer = await self.proxy.post(RENDEZVOUS, json=sign(SECRET, rendezvous, time.time()))
             assert answer.status_code == 200
-        await asyncio.wait_for(self.prefilled.wait(), 5)
-        return httpx.Response(200, json={"choices": [{"index": i, "text": "decoded"} for i in range(children)]})
+        if not body.get("stream"):
+            await asyncio.wait_for(self.prefilled.wait(), 5)
+        return self._answer(body, children, "decoded", ready=self.prefilled)
+
+    def _answer(self, body: dict[str, Any], children: int, text: str, ready: asyncio.Event | None) -> httpx.Response:
+        choices = [{"index": i, "text": text} for i in range(children)]
+        if not body.get("stream"):
+            return httpx.Response(200, json={"choices": choices})
+
+        async def events() -> Any:
+            if ready is not None:  # nothing before the KV is whole
+                await asyncio.wait_for(ready.wait(), 5)
+            yield f"data: {json.dumps({'choices': choices})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
 
 
-def run(coro_fn: Any, *, prefill_fails: bool = False, decode: tuple[str, ...] = (DECODE,)) -> Any:
+def run(coro_fn: Any, *, prefill_fails: bool = False, decode: tuple[str, ...] = (DECODE,), policy: str = "fail") -> Any:
     async def main() -> Any:
         app = create_app(ProxyConfig(prefill=[PREFILL], decode=list(decode), secret=SECRET, retries=1, backoff=0.01))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
-            engines = Engines(client, prefill_fails=prefill_fails)
+            engines = Engines(client, prefill_fails=prefill_fails, policy=policy)
             app.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
             return await coro_fn(client, engines)
 
@@ -85,7 +104,7 @@ def test_decode_first_then_prefill_once_for_a_prompt_list() -> None:
         assert (await client.get("/v1/rd2h/requests")).status_code == 401  # in-flight ids: operators only
         record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
         assert record["status"] == 200 and [c["first_block"] for c in record["children"]] == [0, 1, 2]
-        assert (await client.get("/health")).json() == {"status": "ok", "pending": 0}
+        assert (await client.get("/health")).json() == {"status": "ok", "pending": 0, "recomputed": 0}
 
     run(scenario)
 
@@ -99,6 +118,35 @@ def test_prefill_failure_is_a_502_and_nothing_stays_pending() -> None:
         assert (await client.get("/health")).json()["pending"] == 0
 
     run(scenario, prefill_fails=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_prefill_under_decodes_recompute_policy_is_computed_on_decode(stream: bool) -> None:
+    """Decode's rendezvous said kv_load_failure_policy=recompute: Prefill's failure costs the
+    client nothing but time; a Decode computes the prompt (a plain request), once."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        body = {"model": "m", "prompt": "a", "max_tokens": 4, "stream": stream}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200
+        assert "computed" in response.text and "error" not in response.text
+        pulled, computed = engines.decode_bodies
+        assert "kv_transfer_params" in pulled and computed == body  # the client's own request, as sent
+        assert (await client.get("/health")).json() == {"status": "ok", "pending": 0, "recomputed": 1}
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        assert record["status"] == 200 and "Server disconnected" in record["recomputed"]
+
+    run(scenario, prefill_fails=True, policy="recompute")
+
+
+def test_a_failed_prefill_under_decodes_fail_policy_ends_a_stream_with_an_error_event() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        body = {"model": "m", "prompt": "a", "max_tokens": 4, "stream": True}
+        response = await client.post("/v1/completions", json=body)
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        assert events and events[-1]["error"]["type"] == "rd2h_proxy_error"
+        assert len(engines.decode_bodies) == 1 and (await client.get("/health")).json()["recomputed"] == 0
+
+    run(scenario, prefill_fails=True, policy="fail")
 
 
 def test_metaserver_refuses_unknown_ids_unsigned_and_bad_bodies() -> None:

@@ -8,7 +8,8 @@ rd2h itself carries no test hook. The hooks are switched on by the engine's envi
   once it is DONE, the negative control that proves the tokens depend on the transfer.
 - ``RD2H_TEST_HOLD_FILE=PATH`` (Prefill): the first step that adds a request touches
   ``PATH.held`` and then holds (``RD2H_TEST_HOLD_SECONDS``, default 120) so a test can kill
-  the engine with a request in hand.
+  the engine with a request in hand. With ``RD2H_TEST_HOLD_LAYER=K`` it holds instead before
+  announcing layer K of a step that sends, layers 0..K-1 announced: killed mid-transfer.
 - ``RD2H_TEST_FAIL_READS=1`` (Decode): every batched read of the transfer engine raises, as
   a dead link would: the sink fails the requests and vLLM's ``kv_load_failure_policy`` decides.
 """
@@ -37,6 +38,8 @@ class HookedWorker(RD2HWorker):
         self.corrupt = os.environ.get("RD2H_TEST_CORRUPT") == "1" if corrupt is None else corrupt
         self.hold_file = os.environ.get("RD2H_TEST_HOLD_FILE") if hold_file is None else hold_file
         self.fail_reads = os.environ.get("RD2H_TEST_FAIL_READS") == "1"
+        layer = os.environ.get("RD2H_TEST_HOLD_LAYER")
+        self.hold_layer = None if layer is None else int(layer)
         self._received: dict[str, tuple[int, tuple[int, ...]]] = {}  # ext id -> (first block, main blocks)
         self._held = False
 
@@ -66,9 +69,15 @@ class HookedWorker(RD2HWorker):
         super()._apply_recv(meta)
 
     def _apply_send(self, meta: StepMetadata) -> None:
-        if meta.send_new:
+        if meta.send_new and self.hold_layer is None:
             self._hold()
         super()._apply_send(meta)
+
+    def save_layer(self, layer_name: str, kv_layer: Any) -> None:
+        if (self.hold_layer is not None and self._sends and layer_name in self._tensors
+                and list(self._tensors).index(layer_name) == self.hold_layer):
+            self._hold()
+        super().save_layer(layer_name, kv_layer)
 
     def _corrupt(self, first_block: int, blocks: tuple[int, ...]) -> None:
         import torch
