@@ -76,6 +76,21 @@ def test_decode_pulls_the_prompt_and_posts_only_after_every_worker_expects_it(mo
     scheduler.connector.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_the_rendezvous_tells_the_proxy_decodes_load_failure_policy(model: Path, policy: str) -> None:
+    """The proxy acts on it when Prefill fails (recompute: a Decode computes the prompt), so
+    it is vLLM's own setting, signed with the rest."""
+    scheduler, posts = make_scheduler(model, "kv_consumer", load_failure_policy=policy)
+    scheduler.add_request(make_request("cmpl-p-0-abcdef12", 40, decode_params("rp")))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({ext("rp"): 1})))
+    assert posts.posted.wait(5)
+    (body,) = posts.bodies
+    body.pop("url")
+    assert verify(SECRET, body, time.time())["on_load_failure"] == policy
+    scheduler.connector.shutdown()
+
+
 def test_decode_rendezvous_waits_for_every_rank(model: Path) -> None:
     scheduler, posts = make_scheduler(model, "kv_consumer")
     ours = scheduler.connector.scheduler

@@ -54,7 +54,7 @@ def _extra(model: Path, role: str, extra: dict | None) -> dict[str, Any]:
 
 def make_scheduler(
     model: Path, role: str, *, num_blocks: int = 64, batched: int = 128, extra: dict | None = None,
-    connector: str = "RD2HConnector", prefix_caching: bool = True,
+    connector: str = "RD2HConnector", prefix_caching: bool = True, load_failure_policy: str = "fail",
 ):
     import torch
     from vllm.config import (
@@ -84,7 +84,8 @@ def make_scheduler(
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched, max_model_len=512,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role=role,
-                                            kv_connector_extra_config=_extra(model, role, extra)),
+                                            kv_connector_extra_config=_extra(model, role, extra),
+                                            kv_load_failure_policy=load_failure_policy),
         device_config=DeviceConfig("cpu"),
     )
     config.cache_config.num_gpu_blocks = num_blocks
