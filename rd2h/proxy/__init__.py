@@ -8,6 +8,6 @@ has posted, the original request goes to a Prefill engine once, with ``max_token
 ``do_remote_decode`` naming each child's Decode endpoint. Needs the ``[proxy]`` extra.
 """
 
-from rd2h.proxy.app import ProxyConfig, create_app
+from rd2h.proxy.app import ProxyConfig, create_apps
 
-__all__ = ["ProxyConfig", "create_app"]
+__all__ = ["ProxyConfig", "create_apps"]

@@ -1,28 +1,30 @@
-"""The proxy's ASGI app (FastAPI + httpx, async throughout).
+"""The proxy's two ASGI apps (FastAPI + httpx, async throughout) over one shared state.
 
-Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming passed through),
-``POST /v1/rd2h/rendezvous`` (the metaserver: only a body signed with the secret the proxy
-shares with the engines is heard; 404 for an id it does not wait for),
-``GET /v1/rd2h/requests`` (the latest requests with their rendezvous, for operators and
-tests: only with ``Authorization: Bearer <token>``, see :func:`rd2h.vllm.vouch.token`),
-``GET /health``.
+Public (clients): ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming passed
+through), ``GET /v1/models`` (a Decode's), ``GET /health``. Internal (engines and
+operators, its own listener): ``POST /v1/rd2h/rendezvous`` (the metaserver: only a body
+signed with the secret the proxy shares with the engines is heard; 404 for an id it does
+not wait for), ``GET /v1/rd2h/requests`` (the latest requests, only with ``Authorization:
+Bearer <token>``, see :func:`rd2h.vllm.vouch.token`), ``GET /metrics`` (Prometheus),
+``GET /health`` (every instance's state).
 
 Both legs carry rd2h's fields signed (:mod:`rd2h.vllm.params`): one client request becomes
 ``prompts x samples`` Decode requests, each with an id of its own, of which sample 0 of each
 prompt pulls (the others reuse its blocks from Decode's prefix cache), and ``prompts`` Prefill
-requests of one sample each. The Prefill
-leg changes only what it must: one token, one sample, no streaming, no ``min_tokens``.
-Parameters rd2h cannot serve are refused with 400 and a message naming them.
+requests of one sample each. The Prefill leg changes only what it must
+(:func:`rd2h.proxy.bodies.prefill_body`). ``Authorization`` and ``X-Request-Id`` go to both
+legs (an id is made when the client sent none) and the id comes back to the client.
 
-Failures: a transport error before a request reached an engine (connect errors) is
-retried with exponential backoff, on the next instance of that kind. Anything after that
-(the engine died while holding the request, or answered an HTTP error) fails the client's
+Failures: a connect error is retried with exponential backoff on the next instance (the
+failed one is out of rotation until its health check answers). Anything after that (the
+engine died while holding the request, or answered an HTTP error) fails the client's
 request at once with 502, and the Decode request is cancelled (closing its connection
 makes vLLM abort it, and the connector releases its blocks); except where Decode's
 rendezvous said its ``kv_load_failure_policy`` is ``recompute`` and Prefill failed before
 Decode sent the client anything: then the proxy honours that policy itself, at once: the
 client's request goes to a Decode engine again as a plain request, which computes its prompt
-(logged, counted in ``/health``'s ``recomputed``).
+(logged, counted). A stream that fails after its headers ends with an error event in
+OpenAI's error shape and no ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import itertools
 import json
 import logging
 import secrets
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -44,14 +46,18 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rd2h.vllm.params import MAX_CHILDREN, decode_fields, prefill_fields
+from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, shape_of
+from rd2h.proxy.instances import Instance, Pool
+from rd2h.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from rd2h.vllm.params import decode_fields, prefill_fields
 from rd2h.vllm.vouch import VouchError, token, verify
 
-__all__ = ["ProxyConfig", "children_of", "create_app", "prefill_body", "shape_of"]
+__all__ = ["ProxyConfig", "create_apps"]
 
 log = logging.getLogger("rd2h.proxy")
 
 RENDEZVOUS_PATH = "/v1/rd2h/rendezvous"
+FORWARDED_HEADERS = ("authorization", "x-request-id")
 
 
 @dataclass(frozen=True)
@@ -60,58 +66,35 @@ class ProxyConfig:
     decode: Sequence[str]
     secret: bytes  # shared with the engines: signs both legs, authenticates the rendezvous
     rendezvous_timeout: float = 60.0  # Decode must post within this
-    request_timeout: float = 600.0  # whole request, per engine call
+    request_timeout: float = 600.0  # a whole engine call (reading its answer)
+    connect_timeout: float = 5.0  # reaching an engine: a dead host fails over in seconds, not minutes
     retries: int = 3
     backoff: float = 0.2
+    max_body_bytes: int = 16 << 20  # a client body past this is refused with 413 before it is parsed
+    body_timeout: float = 10.0  # a client body must arrive within this (a slow body holds no task longer)
+    health_interval: float = 2.0  # seconds between health checks of every instance (0: none)
 
 
 class EngineError(Exception):
     """An engine failed a request (transport error after it was sent, or HTTP error)."""
 
+    kind = "engine_failed"
+
 
 class PrefillFailed(EngineError):
     """Prefill failed a request after the rendezvous was handed to it: Decode may recompute."""
 
-
-def children_of(body: dict[str, Any], path: str) -> int:
-    """How many engine requests vLLM makes of this body: one per prompt of a prompt list."""
-    if path.endswith("chat/completions"):
-        return 1
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return len(prompt)
-    return 1
+    kind = "prefill_failed"
 
 
-class Refused(ValueError):
-    """A client request rd2h cannot serve as asked: answered 400 with this message."""
+class RendezvousTimeout(EngineError):
+    kind = "rendezvous_timeout"
 
 
-def shape_of(body: dict[str, Any], path: str) -> tuple[int, int]:
-    """``(prompts, samples)`` of a client request; Refused for what rd2h cannot serve."""
-    prompts = children_of(body, path)
-    samples = body.get("n", 1)
-    if samples is None:
-        samples = 1
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-        raise Refused(f"n must be an integer >= 1, got {samples!r}")
-    if prompts * samples > MAX_CHILDREN:
-        raise Refused(f"{prompts} prompts x n={samples} is more than the {MAX_CHILDREN} requests one call may make")
-    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
-        raise Refused(
-            "prompt_logprobs (and echo with logprobs) need the prompt computed by the engine that answers; "
-            "with rd2h the Decode engine loads it: ask an engine directly for those"
-        )
-    return prompts, samples
+class NoInstance(EngineError):
+    """No instance of a role is in rotation: 503, the client may retry later."""
 
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The Prefill leg: the client's request with what must change for one prefill."""
-    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "n", "best_of", "min_tokens")}
-    leg.update(max_tokens=1, stream=False)
-    if "max_completion_tokens" in body:
-        leg["max_completion_tokens"] = 1
-    return leg
+    kind = "no_instance"
 
 
 @dataclass
@@ -119,41 +102,98 @@ class _Pending:
     rid: str
     prompts: int
     futures: list[asyncio.Future[dict[str, Any]]]  # one per prompt: its sample 0 pulls
+    headers: dict[str, str]  # forwarded to both legs
     record: dict[str, Any] = field(default_factory=dict)
     recompute: bool = False  # every Decode that posted recomputes a failed load (its policy)
+    started: float = field(default_factory=time.monotonic)
+    prefill_answered: float | None = None
+    streams: list[tuple[Pool, Instance]] = field(default_factory=list)  # outstanding until the end
 
 
 class _Proxy:
     def __init__(self, config: ProxyConfig) -> None:
-        if not config.prefill or not config.decode:
-            raise ValueError("the proxy needs at least one Prefill and one Decode URL")
         self.config = config
-        self._prefill = itertools.cycle([u.rstrip("/") for u in config.prefill])
-        self._decode = itertools.cycle([u.rstrip("/") for u in config.decode])
+        self.prefill_pool = Pool("prefill", config.prefill)
+        self.decode_pool = Pool("decode", config.decode)
         self.pending: dict[str, _Pending] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=256)
         self.recomputed = 0  # requests whose Prefill failed, served by a Decode computing the prompt
+        self.metrics = ProxyMetrics(lambda: (self.prefill_pool, self.decode_pool))
         self.client: httpx.AsyncClient | None = None
+        self.draining = False
+        self._checks: asyncio.Task[None] | None = None
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(limits=limits)
+        if self.config.health_interval > 0:
+            self._checks = asyncio.create_task(self._check_forever())
+
+    async def stop(self) -> None:
+        if self._checks is not None:
+            await _cancel(self._checks)
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    async def check_health(self) -> None:
+        assert self.client is not None
+        timeout = max(0.5, min(self.config.health_interval, 2.0))
+        await asyncio.gather(*(pool.check(self.client, timeout, {}) for pool in (self.prefill_pool, self.decode_pool)))
+
+    async def _check_forever(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # a check must never end the checking
+                log.exception("health check failed")
+            await asyncio.sleep(self.config.health_interval)  # a cadence, not synchronisation
 
     # -- engines -------------------------------------------------------------------------
 
-    async def _send(self, urls: itertools.cycle, path: str, body: dict[str, Any], stream: bool) -> httpx.Response:
-        """POST to the next instance; connect errors move on to the next, with backoff."""
+    async def _send(self, pool: Pool, path: str, body: dict[str, Any], *, stream: bool,
+                    pending: _Pending) -> httpx.Response:
+        """POST to the up instance with the fewest outstanding requests; a connect error takes
+        it out of rotation and moves on (with backoff). A streamed answer stays outstanding
+        on its instance until the request ends (:meth:`_finish`)."""
         assert self.client is not None
-        delay = self.config.backoff
+        delay, tried = self.config.backoff, set()
+        timeout = httpx.Timeout(self.config.request_timeout, connect=self.config.connect_timeout)
         for attempt in range(self.config.retries + 1):
-            url = next(urls) + path
-            request = self.client.build_request("POST", url, json=body, timeout=self.config.request_timeout)
+            # up ones first; when every one is down or tried, still try (a restart is not seen yet)
+            instance = (pool.pick(tried) or pool.pick(tried, include_down=True) or pool.pick()
+                        or pool.instances[attempt % len(pool.instances)])
+            tried.add(instance.url)
+            url = instance.url + path
+            request = self.client.build_request("POST", url, json=body, timeout=timeout, headers=pending.headers)
+            instance.outstanding += 1
             try:
-                return await self.client.send(request, stream=stream)
+                response = await self.client.send(request, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                instance.outstanding -= 1
+                pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
                 log.warning("%s: %s (attempt %d)", url, exc, attempt + 1)
                 if attempt == self.config.retries:
-                    raise EngineError(f"{url}: {exc}") from exc
+                    error = NoInstance if not pool.any_up() else EngineError
+                    raise error(f"{url}: {exc} (no {pool.role} instance took the request)") from exc
                 await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
                 delay *= 2
+                continue
             except httpx.TransportError as exc:  # it had the request: do not send it twice
+                instance.outstanding -= 1
+                pool.mark_down(instance, f"{type(exc).__name__} while it held a request")
                 raise EngineError(f"{url}: {type(exc).__name__}: {exc}") from exc
+            except BaseException:  # cancelled: the request is no longer outstanding there
+                instance.outstanding -= 1
+                raise
+            instance.served += 1
+            if stream:
+                pending.streams.append((pool, instance))
+            else:
+                instance.outstanding -= 1
+            return response
         raise AssertionError("unreachable")
 
     async def prefill(self, pending: _Pending, path: str, body: dict[str, Any]) -> None:
@@ -162,8 +202,12 @@ class _Proxy:
         try:
             found = await asyncio.wait_for(asyncio.gather(*pending.futures), self.config.rendezvous_timeout)
         except asyncio.TimeoutError:
-            raise EngineError(f"Decode did not post a rendezvous within {self.config.rendezvous_timeout:g} s") from None
-        pending.record["rendezvous_ms"] = round((time.monotonic() - started) * 1e3, 1)
+            raise RendezvousTimeout(
+                f"Decode did not post a rendezvous within {self.config.rendezvous_timeout:g} s"
+            ) from None
+        waited = time.monotonic() - started
+        self.metrics.rendezvous.observe(waited)
+        pending.record["rendezvous_ms"] = round(waited * 1e3, 1)
         pending.record["children"] = [
             {k: r.get(k) for k in ("endpoint", "first_block", "num_tokens")} for r in found
         ]
@@ -176,10 +220,12 @@ class _Proxy:
         }
         sent = time.monotonic()
         try:
-            response = await self._send(self._prefill, path, leg, stream=False)
+            response = await self._send(self.prefill_pool, path, leg, stream=False, pending=pending)
         except EngineError as exc:
             raise PrefillFailed(str(exc)) from exc
-        pending.record["prefill_ms"] = round((time.monotonic() - sent) * 1e3, 1)
+        pending.prefill_answered = time.monotonic()
+        self.metrics.prefill.observe(pending.prefill_answered - sent)
+        pending.record["prefill_ms"] = round((pending.prefill_answered - sent) * 1e3, 1)
         if response.status_code >= 400:
             raise PrefillFailed(f"Prefill answered {response.status_code}: {response.text[:300]}")
 
@@ -188,36 +234,42 @@ class _Proxy:
         log.warning("request %s: Prefill failed (%s); a Decode computes the prompt (kv_load_failure_policy "
                     "recompute; %d so far)", pending.rid, error, self.recomputed + 1)
         self.recomputed += 1
+        self.metrics.recomputed.inc()
         pending.record["recomputed"] = str(error)
-        return await self._send(self._decode, path, body, stream=bool(body.get("stream")))
+        return await self._send(self.decode_pool, path, body, stream=bool(body.get("stream")), pending=pending)
 
     # -- requests ------------------------------------------------------------------------
 
     async def handle(self, request: Request, path: str) -> Response:
+        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        headers.setdefault("x-request-id", uuid.uuid4().hex)
+        answer_headers = {"x-request-id": headers["x-request-id"]}
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return JSONResponse({"error": {"message": "the body is not JSON"}}, status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": {"message": "the body must be a JSON object"}}, status_code=400)
-        try:
+            if self.draining:
+                raise Refused("the proxy is shutting down: send the request again", status=503)
+            body = parse_body(await _read_limited(request, self.config.max_body_bytes, self.config.body_timeout))
             prompts, samples = shape_of(body, path)
         except Refused as exc:
-            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error"}}, status_code=400)
+            self.metrics.requests.labels(path, str(exc.status)).inc()
+            self.metrics.errors.labels("draining" if exc.status == 503 else "refused").inc()
+            kind = "invalid_request_error" if exc.status < 500 else "rd2h_proxy_unavailable"
+            return JSONResponse(error_body(str(exc), kind, exc.status), exc.status, headers=answer_headers)
         rid = secrets.token_hex(16)  # unguessable: it names the request on both engines
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(prompts)]
-        pending = _Pending(rid, prompts, futures, {"id": rid, "path": path})
+        record = {"id": rid, "path": path, "x_request_id": headers["x-request-id"]}
+        pending = _Pending(rid, prompts, futures, headers, record)
         self.pending[rid] = pending
         self.recent.append(pending.record)
-        started = time.monotonic()
         decode_body = dict(body)
         decode_body["kv_transfer_params"] = {
             "do_remote_prefill": True, "rd2h": decode_fields(self.config.secret, rid, prompts, samples, time.time()),
         }
         stream = bool(body.get("stream"))
         prefill = asyncio.create_task(self.prefill(pending, path, body))
-        decode = asyncio.create_task(self._send(self._decode, path, decode_body, stream=stream))
+        decode = asyncio.create_task(
+            self._send(self.decode_pool, path, decode_body, stream=stream, pending=pending)
+        )
         try:
             try:
                 response = await self._first(decode, prefill)
@@ -226,17 +278,20 @@ class _Proxy:
                     raise
                 response = await self.recompute(pending, path, body, exc)
         except EngineError as exc:
-            self._finish(pending, started, 502, str(exc))
-            return JSONResponse({"error": {"message": str(exc), "type": "rd2h_proxy_error"}}, status_code=502)
+            status = 503 if isinstance(exc, NoInstance) else 502
+            self._finish(pending, status, str(exc), kind=exc.kind)
+            return JSONResponse(error_body(str(exc), "rd2h_proxy_error", status), status, headers=answer_headers)
+        answer_headers["content-type"] = response.headers.get("content-type", "application/json")
         if not stream:
             data = await response.aread()
             await response.aclose()
+            self._first_byte(pending)
             await self._settle(prefill, pending)
-            self._finish(pending, started, response.status_code)
-            return Response(data, status_code=response.status_code, media_type=response.headers.get("content-type"))
+            self._finish(pending, response.status_code)
+            return Response(data, status_code=response.status_code, headers=answer_headers)
         return StreamingResponse(
-            self._relay(response, prefill, pending, started, (path, body)), status_code=response.status_code,
-            media_type=response.headers.get("content-type", "text/event-stream"),
+            self._relay(response, prefill, pending, (path, body)), status_code=response.status_code,
+            headers=answer_headers,
         )
 
     async def _first(self, decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[None]) -> httpx.Response:
@@ -263,14 +318,14 @@ class _Proxy:
             log.warning("Prefill failed after Decode answered: %s", prefill.exception())
 
     async def _relay(
-        self, response: httpx.Response, prefill: asyncio.Task[None], pending: _Pending, started: float,
+        self, response: httpx.Response, prefill: asyncio.Task[None], pending: _Pending,
         request: tuple[str, dict[str, Any]],
     ) -> AsyncIterator[bytes]:
         """Decode's stream. Until its first chunk, a Prefill failure ends it with an error event
         (or, under Decode's ``recompute`` policy, switches to a Decode computing the prompt);
         after it, Decode had its KV whole (it emits nothing before) and Prefill no longer matters."""
         chunks = response.aiter_raw()
-        status = response.status_code
+        status, kind, error = response.status_code, "", ""
         relayed = False
         try:
             while True:
@@ -289,26 +344,44 @@ class _Proxy:
                         else:
                             chunks, status, relayed = response.aiter_raw(), response.status_code, True
                             continue
-                    status = 502
-                    error = {"error": {"message": str(failed), "type": "rd2h_proxy_error"}}
-                    yield f"data: {json.dumps(error)}\n\n".encode()
+                    status, error = 502, str(failed)
+                    kind = getattr(failed, "kind", "engine_failed")
+                    event = error_body(error, "rd2h_proxy_error", status)
+                    yield f"data: {json.dumps(event)}\n\n".encode()  # no [DONE]: the stream failed
                     return
                 try:
                     chunk = await next_chunk
                 except StopAsyncIteration:
                     return
+                except httpx.TransportError as exc:  # Decode died mid-stream
+                    status, kind, error = 502, "decode_failed", f"Decode: {type(exc).__name__}: {exc}"
+                    yield f"data: {json.dumps(error_body(error, 'rd2h_proxy_error', status))}\n\n".encode()
+                    return
+                if chunk and not relayed:
+                    self._first_byte(pending)
                 relayed = relayed or bool(chunk)
                 yield chunk
         finally:
             await response.aclose()
             await self._settle(prefill, pending)
-            self._finish(pending, started, status)
+            self._finish(pending, status, error, kind=kind)
 
-    def _finish(self, pending: _Pending, started: float, status: int, error: str = "") -> None:
+    def _first_byte(self, pending: _Pending) -> None:
+        now = time.monotonic()
+        self.metrics.ttft.observe(now - pending.started)
+        if pending.prefill_answered is not None:
+            self.metrics.decode.observe(now - pending.prefill_answered)
+
+    def _finish(self, pending: _Pending, status: int, error: str = "", *, kind: str = "") -> None:
         self.pending.pop(pending.rid, None)  # a late rendezvous now gets 404
-        pending.record.update(status=status, total_ms=round((time.monotonic() - started) * 1e3, 1))
+        for _pool, instance in pending.streams:
+            instance.outstanding -= 1
+        pending.streams.clear()
+        pending.record.update(status=status, total_ms=round((time.monotonic() - pending.started) * 1e3, 1))
+        self.metrics.requests.labels(pending.record["path"], str(status)).inc()
         if error:
             pending.record["error"] = error
+            self.metrics.errors.labels(kind or "engine_failed").inc()
         log.info("rd2h proxy %s", json.dumps(pending.record, sort_keys=True))
 
     # -- metaserver ----------------------------------------------------------------------
@@ -322,6 +395,7 @@ class _Proxy:
             str(fields["endpoint"])
         except (VouchError, KeyError, ValueError) as exc:
             log.warning("refused a rendezvous: %s", exc)
+            self.metrics.errors.labels("rendezvous_refused").inc()
             return JSONResponse({"error": f"rendezvous refused: {exc}"}, status_code=403)
         pending = self.pending.get(rid)
         if pending is None:
@@ -337,6 +411,51 @@ class _Proxy:
         """The request list names in-flight ids: only for holders of the operator token."""
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         return hmac.compare_digest(given, token(self.config.secret, "requests"))
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "draining" if self.draining else "ok", "pending": len(self.pending),
+            "recomputed": self.recomputed,
+            "prefill": [i.describe() for i in self.prefill_pool.instances],
+            "decode": [i.describe() for i in self.decode_pool.instances],
+        }
+
+    async def models(self, request: Request) -> Response:
+        """A Decode's model list (both kinds serve the same model)."""
+        assert self.client is not None
+        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        instance = self.decode_pool.pick()
+        if instance is None:
+            return JSONResponse(error_body("no decode instance is up", "rd2h_proxy_error", 503), 503)
+        try:
+            answer = await self.client.get(instance.url + "/v1/models", headers=headers, timeout=httpx.Timeout(
+                30.0, connect=self.config.connect_timeout))
+        except httpx.TransportError as exc:
+            self.decode_pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
+            return JSONResponse(error_body(f"{instance.url}: {exc}", "rd2h_proxy_error", 502), 502)
+        return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+
+
+async def _read_limited(request: Request, limit: int, timeout: float = 10.0) -> bytes:
+    """The body, refused with 413 past ``limit`` bytes before more of it is read, and with 408
+    when it takes more than ``timeout`` seconds to arrive."""
+    try:
+        return await asyncio.wait_for(_read_capped(request, limit), timeout)
+    except asyncio.TimeoutError:
+        raise Refused(f"the body did not arrive within {timeout:g} s", status=408) from None
+
+
+async def _read_capped(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Refused(f"the body is {int(declared)} bytes, more than the {limit} this proxy takes", status=413)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise Refused(f"the body is more than the {limit} bytes this proxy takes", status=413)
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _failure(task: asyncio.Future[Any]) -> BaseException | None:
@@ -354,47 +473,57 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
             await result.aclose()
 
 
-def create_app(config: ProxyConfig) -> FastAPI:
-    """The proxy as an ASGI app; its HTTP client lives as long as the app runs."""
+def create_apps(config: ProxyConfig) -> tuple[FastAPI, FastAPI]:
+    """``(public, internal)`` ASGI apps over one proxy; the public app's lifespan starts and
+    stops the shared HTTP client and the health checks."""
     proxy = _Proxy(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
-        async with httpx.AsyncClient(limits=limits) as client:
-            proxy.client = client
+        await proxy.start()
+        try:
             yield
-        proxy.client = None
+        finally:
+            await proxy.stop()
 
-    app = FastAPI(title="rd2h proxy", lifespan=lifespan)
-    app.state.proxy = proxy
+    public = FastAPI(title="rd2h proxy", lifespan=lifespan)
+    internal = FastAPI(title="rd2h proxy (internal)")
+    public.state.proxy = internal.state.proxy = proxy
 
-    @app.post("/v1/completions")
+    @public.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await proxy.handle(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @public.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await proxy.handle(request, "/v1/chat/completions")
 
-    @app.post(RENDEZVOUS_PATH)
+    @public.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy.models(request)
+
+    @public.get("/health")
+    @internal.get("/health")
+    async def health() -> Response:
+        ready = not proxy.draining and proxy.prefill_pool.any_up() and proxy.decode_pool.any_up()
+        return JSONResponse(proxy.health(), status_code=200 if ready else 503)
+
+    @internal.post(RENDEZVOUS_PATH)
     async def rendezvous(request: Request) -> Response:
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return JSONResponse({"error": "the body is not JSON"}, status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
+            body = parse_body(await _read_limited(request, 64 << 10))
+        except Refused as exc:
+            return JSONResponse({"error": str(exc)}, status_code=exc.status)
         return proxy.rendezvous(body)
 
-    @app.get("/v1/rd2h/requests")
+    @internal.get("/v1/rd2h/requests")
     async def requests(request: Request) -> Response:
         if not proxy.may_read_requests(request):
             return JSONResponse({"error": "needs Authorization: Bearer <rd2h operator token>"}, status_code=401)
         return JSONResponse(list(proxy.recent))
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "pending": len(proxy.pending), "recomputed": proxy.recomputed}
+    @internal.get("/metrics")
+    async def metrics() -> Response:
+        return Response(proxy.metrics.scrape(), media_type=CONTENT_TYPE)
 
-    return app
+    return public, internal

@@ -1,6 +1,9 @@
-"""``rd2h proxy`` in process: the ASGI app over httpx's ASGI transport, the engines as
+"""``rd2h proxy`` in process: its two ASGI apps over httpx's ASGI transport, the engines as
 httpx mock transports that behave as vLLM with RD2HConnector does (Decode posts its
-rendezvous, then answers once Prefill was called). No sockets."""
+rendezvous to the internal app, then answers once Prefill was called). No sockets.
+
+``client`` sends ``/v1/rd2h/*`` and ``/metrics`` to the internal app and the rest to the
+public one, as an operator's network would; ``engines.public`` reaches only the public app."""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from rd2h.proxy import ProxyConfig, create_app
-from rd2h.proxy.app import children_of, prefill_body, shape_of
+from rd2h.proxy import ProxyConfig, create_apps
+from rd2h.proxy.bodies import children_of, prefill_body, shape_of
+from rd2h.proxy.instances import Pool
 from rd2h.vllm.params import accept_prefill
 from rd2h.vllm.vouch import sign, token, verify
 
@@ -36,11 +40,16 @@ class Engines:
         self.decode_hosts: list[str] = []
         self.prefilled = asyncio.Event()
         self.decode_seen = asyncio.Event()
+        self.requests: list[httpx.Request] = []  # every request an engine received
+        self.down_answers = False  # "down" refuses connections until this is set
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        if request.url.host == "down":
+        if request.url.host == "down" and not self.down_answers:
             raise httpx.ConnectError("connection refused")
+        self.requests.append(request)
+        if request.method == "GET":  # health checks, /v1/models
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})
+        body = json.loads(request.content)
         if request.url.host == "prefill":
             self.prefill_bodies.append(body)
             if self.prefill_fails:
@@ -77,12 +86,30 @@ class Engines:
         return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
 
 
-def run(coro_fn: Any, *, prefill_fails: bool = False, decode: tuple[str, ...] = (DECODE,), policy: str = "fail") -> Any:
+INTERNAL = ("/v1/rd2h/", "/metrics")
+
+
+class Split(httpx.AsyncBaseTransport):
+    """The operator's view: internal paths to the internal listener, the rest to the public one."""
+
+    def __init__(self, public: Any, internal: Any) -> None:
+        self.public, self.internal = httpx.ASGITransport(app=public), httpx.ASGITransport(app=internal)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        internal = request.url.path.startswith(INTERNAL)
+        return await (self.internal if internal else self.public).handle_async_request(request)
+
+
+def run(coro_fn: Any, *, prefill_fails: bool = False, decode: tuple[str, ...] = (DECODE,), policy: str = "fail",
+        **config: Any) -> Any:
     async def main() -> Any:
-        app = create_app(ProxyConfig(prefill=[PREFILL], decode=list(decode), secret=SECRET, retries=1, backoff=0.01))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+        settings = {"retries": 1, "backoff": 0.01, "health_interval": 0, **config}
+        public, internal = create_apps(ProxyConfig(prefill=[PREFILL], decode=list(decode), secret=SECRET, **settings))
+        async with httpx.AsyncClient(transport=Split(public, internal), base_url="http://proxy") as client:
             engines = Engines(client, prefill_fails=prefill_fails, policy=policy)
-            app.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
+            engines.public = httpx.AsyncClient(transport=httpx.ASGITransport(app=public), base_url="http://proxy")
+            engines.public_proxy = public.state.proxy
+            public.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
             return await coro_fn(client, engines)
 
     return asyncio.run(main())
@@ -104,7 +131,8 @@ def test_decode_first_then_prefill_once_for_a_prompt_list() -> None:
         assert (await client.get("/v1/rd2h/requests")).status_code == 401  # in-flight ids: operators only
         record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
         assert record["status"] == 200 and [c["first_block"] for c in record["children"]] == [0, 1, 2]
-        assert (await client.get("/health")).json() == {"status": "ok", "pending": 0, "recomputed": 0}
+        health = (await client.get("/health")).json()
+        assert (health["status"], health["pending"], health["recomputed"]) == ("ok", 0, 0)
 
     run(scenario)
 
@@ -131,7 +159,8 @@ def test_a_failed_prefill_under_decodes_recompute_policy_is_computed_on_decode(s
         assert "computed" in response.text and "error" not in response.text
         pulled, computed = engines.decode_bodies
         assert "kv_transfer_params" in pulled and computed == body  # the client's own request, as sent
-        assert (await client.get("/health")).json() == {"status": "ok", "pending": 0, "recomputed": 1}
+        health = (await client.get("/health")).json()
+        assert (health["status"], health["pending"], health["recomputed"]) == ("ok", 0, 1)
         record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
         assert record["status"] == 200 and "Server disconnected" in record["recomputed"]
 
@@ -255,3 +284,132 @@ def test_the_prefill_leg_changes_only_what_it_must() -> None:
     leg = prefill_body(body)
     assert leg == {"prompt": "a", "max_tokens": 1, "stream": False, "seed": 3, "stop": ["x"], "logprobs": 2,
                    "response_format": {"type": "json_object"}}
+
+
+def test_the_rendezvous_and_operator_routes_are_not_on_the_public_listener() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        public = engines.public
+        body = sign(SECRET, {"ext_id": f"{'ab' * 16}-0-0", "endpoint": "127.0.0.1:5600/1"}, time.time())
+        assert (await public.post(RENDEZVOUS, json=body)).status_code == 404
+        assert (await public.get("/v1/rd2h/requests", headers=OPERATOR)).status_code == 404
+        assert (await public.get("/metrics")).status_code == 404
+        assert (await client.get("/metrics")).status_code == 200  # the internal listener has them
+
+    run(scenario)
+
+
+def test_authorization_and_request_id_reach_both_legs_and_the_id_comes_back() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        headers = {"Authorization": "Bearer engine-key", "X-Request-Id": "client-42", "X-Other": "no"}
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "a"}, headers=headers)
+        assert response.status_code == 200 and response.headers["x-request-id"] == "client-42"
+        for leg in engines.requests:
+            assert leg.headers["authorization"] == "Bearer engine-key" and leg.headers["x-request-id"] == "client-42"
+            assert "x-other" not in leg.headers
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        assert record["x_request_id"] == "client-42"
+        made = await client.post("/v1/completions", json={"model": "m", "prompt": "a"})  # none sent: one is made
+        assert len(made.headers["x-request-id"]) == 32 and engines.requests[-1].headers["x-request-id"] == made.headers[
+            "x-request-id"]
+
+    run(scenario)
+
+
+def test_models_come_from_a_decode_with_the_clients_authorization() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        response = await client.get("/v1/models", headers={"Authorization": "Bearer k"})
+        assert response.status_code == 200 and response.json()["data"][0]["id"] == "tiny"
+        assert engines.requests[-1].url.host == "decode" and engines.requests[-1].headers["authorization"] == "Bearer k"
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("raw", "headers", "status", "why"),
+    [
+        (b"x" * 2048, {}, 413, "more than the 1024"),
+        (b'{"prompt": "\xff\xfe"}', {}, 400, "not UTF-8"),
+        (b'{"prompt": ', {}, 400, "not JSON"),
+        (b"[1, 2]", {}, 400, "JSON object"),
+        (json.dumps({"model": "m", "prompt": ["a"] * 5000}).encode(), {}, 400, "4096"),
+    ],
+)
+def test_limits_answer_a_clear_4xx_before_anything_is_sent(raw: bytes, headers: dict[str, str], status: int,
+                                                           why: str) -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        response = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == status and why in response.json()["error"]["message"], response.text
+        assert response.json()["error"]["code"] == status and not engines.requests
+
+    run(scenario, max_body_bytes=1024 if status == 413 else 1 << 20)
+
+
+def test_a_body_sent_without_a_length_is_cut_off_at_the_limit() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        async def chunks() -> Any:
+            for _ in range(64):
+                yield b"x" * 64
+        response = await client.post("/v1/completions", content=chunks())
+        assert response.status_code == 413 and not engines.requests
+
+    run(scenario, max_body_bytes=1024)
+
+
+def test_the_up_instance_with_fewest_outstanding_requests_is_picked_ties_in_turn() -> None:
+    pool = Pool("decode", ["http://a", "http://b", "http://c"])
+    a, b, c = pool.instances
+    a.outstanding, b.outstanding, c.outstanding = 2, 1, 1
+    assert {pool.pick().url for _ in range(4)} == {"http://b", "http://c"}  # ties in turn
+    pool.mark_down(b, "test")
+    assert pool.pick().url == "http://c" and pool.pick({"http://c"}).url == "http://a"
+    assert pool.pick({"http://a", "http://c"}) is None
+    assert pool.pick({"http://a", "http://c"}, include_down=True).url == "http://b"  # a restart not seen yet
+    pool.mark_up(b)
+    assert pool.any_up() and b.why_down == ""
+
+
+def test_a_dead_decode_leaves_rotation_at_once_and_a_health_check_brings_it_back() -> None:
+    """"down" refuses connections: the request goes to the next instance, "down" is out of
+    rotation (no request tries it again) until a health check answers."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        proxy = engines.public_proxy
+        for _ in range(6):
+            engines.prefilled.clear()
+            assert (await client.post("/v1/completions", json={"model": "m", "prompt": "c"})).status_code == 200
+        (down,) = (i for i in proxy.decode_pool.instances if i.url == "http://down")
+        assert not down.up and "ConnectError" in down.why_down
+        assert sorted(engines.decode_hosts) == ["d1"] * 3 + ["d2"] * 3  # tried once, then never
+        assert all(i.outstanding == 0 for i in proxy.decode_pool.instances)
+        health = (await client.get("/health")).json()
+        assert [i["up"] for i in health["decode"]] == [True, False, True]
+        engines.down_answers = True
+        await proxy.check_health()
+        assert down.up
+        metrics = (await client.get("/metrics")).text
+        assert 'rd2h_proxy_instance_up{instance="http://down",role="decode"} 1.0' in metrics
+
+    run(scenario, decode=("http://d1", "http://down", "http://d2"))
+
+
+def test_metrics_count_requests_errors_and_time_to_first_token() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        assert (await client.post("/v1/completions", json={"model": "m", "prompt": "a"})).status_code == 200
+        assert (await client.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 0})).status_code == 400
+        text = (await client.get("/metrics")).text
+        assert 'rd2h_proxy_requests_total{route="/v1/completions",status="200"} 1.0' in text
+        assert 'rd2h_proxy_requests_total{route="/v1/completions",status="400"} 1.0' in text
+        assert 'rd2h_proxy_errors_total{kind="refused"} 1.0' in text
+        for series in ("ttft_seconds", "rendezvous_seconds", "prefill_seconds", "decode_first_byte_seconds"):
+            assert f"rd2h_proxy_{series}_count 1.0" in text, series
+
+    run(scenario)
+
+
+def test_a_draining_proxy_refuses_new_requests_with_503() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        engines.public_proxy.draining = True
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "a"})
+        assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
+        assert (await client.get("/health")).status_code == 503 and not engines.requests
+
+    run(scenario)

@@ -15,14 +15,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "proxy",
         help="serve the OpenAI API in front of Prefill and Decode vLLM engines",
         description=(
-            "Serve /v1/completions and /v1/chat/completions in front of vLLM engines running "
+            "Serve /v1/completions, /v1/chat/completions and /v1/models in front of vLLM engines running "
             "RD2HConnector. Each request goes to a Decode engine first; once Decode posted where its "
-            "KV must go (to this proxy's metaserver, /v1/rd2h/rendezvous), the request goes to a "
-            "Prefill engine with max_tokens=1. Several engines of each kind are used round robin."
+            "KV must go (to this proxy's internal listener, /v1/rd2h/rendezvous), the request goes to a "
+            "Prefill engine with max_tokens=1. Of several engines of a kind, the one with the fewest "
+            "outstanding requests among those whose health check answers gets it. The internal listener "
+            "also serves /metrics (Prometheus) and /v1/rd2h/requests (operator token). SIGTERM drains."
         ),
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--rendezvous-host", default="127.0.0.1",
+        help="address of the internal listener the Decode engines post their rendezvous to; on a "
+        "network the engines reach and clients do not (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rendezvous-port", type=int, default=None,
+        help="port of the internal listener; the Decode engines' 'metaserver' is "
+        "http://HOST:PORT/v1/rd2h/rendezvous (default: --port + 1)",
+    )
     parser.add_argument(
         "--prefill", action="append", required=True, metavar="URL",
         help="a Prefill engine's base URL, e.g. http://10.0.0.1:8100 (repeat for several)",
@@ -34,8 +46,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--secret-file", default=None, metavar="FILE",
         help="the secret shared with the engines, which signs both legs and authenticates the rendezvous "
-        "(default: $RD2H_SECRET). Decode engines post to this proxy's /v1/rd2h/rendezvous, set as their "
-        "kv_connector_extra_config 'metaserver'",
+        "(default: $RD2H_SECRET)",
     )
     parser.add_argument(
         "--rendezvous-timeout", type=float, default=60.0, metavar="S",
@@ -44,6 +55,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, metavar="S",
         help="bound on each engine call, in seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--connect-timeout", type=float, default=5.0, metavar="S",
+        help="bound on connecting to an engine; past it the next instance is tried (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--health-interval", type=float, default=2.0, metavar="S",
+        help="seconds between health checks of every engine; one that fails is out of rotation until "
+        "one answers (0: no checks) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=16 << 20, metavar="N",
+        help="a client body past N bytes is refused with 413 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--header-timeout", type=float, default=10.0, metavar="S",
+        help="a connection must send its request headers, and then its body, within S seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-connections", type=int, default=2048, metavar="N",
+        help="connections past N are answered 503 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=60.0, metavar="S",
+        help="on SIGTERM, wait up to S seconds for requests in flight (default: %(default)s)",
     )
     parser.add_argument(
         "--retries", type=int, default=3,
@@ -62,9 +98,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import asyncio
 
-        from rd2h.proxy import ProxyConfig, create_app
+        from rd2h.proxy import ProxyConfig
+        from rd2h.proxy.server import Listen, serve
     except ImportError as exc:
         raise ConfigError(f"rd2h proxy needs its extra: pip install 'rd2h[proxy]' ({exc})") from None
     from rd2h.vllm.vouch import load_secret
@@ -72,8 +109,17 @@ def run(args: argparse.Namespace) -> int:
     config = ProxyConfig(
         prefill=args.prefill, decode=args.decode, secret=load_secret(args.secret_file),
         rendezvous_timeout=args.rendezvous_timeout, request_timeout=args.request_timeout,
-        retries=args.retries, backoff=args.backoff,
+        connect_timeout=args.connect_timeout, retries=args.retries, backoff=args.backoff,
+        max_body_bytes=args.max_body_bytes, health_interval=args.health_interval, body_timeout=args.header_timeout,
+    )
+    rendezvous_port = args.port + 1 if args.rendezvous_port is None else args.rendezvous_port
+    if (args.rendezvous_host, rendezvous_port) == (args.host, args.port):
+        raise ConfigError("the rendezvous listener needs its own port (--rendezvous-port)")
+    listen = Listen(
+        host=args.host, port=args.port, rendezvous_host=args.rendezvous_host, rendezvous_port=rendezvous_port,
+        header_timeout=args.header_timeout, max_connections=args.max_connections, drain_timeout=args.drain_timeout,
+        log_level=args.log_level,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    asyncio.run(serve(config, listen))
     return 0

@@ -1,0 +1,99 @@
+"""The engines of one kind (Prefill or Decode) behind the proxy: least-outstanding choice
+among those that answer, ejection and return by health checks.
+
+An instance is *down* from the first failed health check or connect error, and up again
+from the first ``/health`` that answers 200: a dead engine stops getting requests within
+one check interval, a restarted one gets them back as soon as it serves. Requests only go
+to instances that are up; among those, to the one with the fewest requests outstanding
+(ties in turn), so one slow engine does not collect a queue while others idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = ["Instance", "Pool"]
+
+log = logging.getLogger("rd2h.proxy")
+
+
+@dataclass
+class Instance:
+    role: str  # "prefill" or "decode"
+    url: str
+    up: bool = True  # until a check or a connect error says otherwise
+    outstanding: int = 0  # requests sent and not yet answered in full
+    served: int = 0
+    why_down: str = ""
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "up": self.up, "outstanding": self.outstanding, "served": self.served,
+                **({"why_down": self.why_down} if not self.up else {})}
+
+
+class Pool:
+    """The instances of one role."""
+
+    def __init__(self, role: str, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError(f"the proxy needs at least one {role} URL")
+        self.role = role
+        self.instances = [Instance(role, url.rstrip("/")) for url in urls]
+        self._turn = 0  # breaks ties in turn
+
+    def pick(self, tried: set[str] = frozenset(), *, include_down: bool = False) -> Instance | None:  # type: ignore[assignment]
+        """The up instance with the fewest outstanding requests, not in ``tried``; None if none.
+        ``include_down``: down ones too (health state lags a restart by up to one interval)."""
+        candidates = [i for i in self.instances if (i.up or include_down) and i.url not in tried]
+        if not candidates:
+            return None
+        fewest = min(i.outstanding for i in candidates)
+        tied = [i for i in candidates if i.outstanding == fewest]
+        self._turn += 1
+        return tied[self._turn % len(tied)]
+
+    @contextlib.contextmanager
+    def lease(self, instance: Instance) -> Iterator[Instance]:
+        """Count a request outstanding on ``instance`` while the block runs."""
+        instance.outstanding += 1
+        try:
+            yield instance
+        finally:
+            instance.outstanding -= 1
+            instance.served += 1
+
+    def mark_down(self, instance: Instance, why: str) -> None:
+        if instance.up:
+            log.warning("%s %s is down: %s", self.role, instance.url, why)
+        instance.up, instance.why_down = False, why
+
+    def mark_up(self, instance: Instance) -> None:
+        if not instance.up:
+            log.warning("%s %s answers again: back in rotation", self.role, instance.url)
+        instance.up, instance.why_down = True, ""
+
+    def any_up(self) -> bool:
+        return any(i.up for i in self.instances)
+
+    async def check(self, client: httpx.AsyncClient, timeout: float, headers: dict[str, str]) -> None:
+        """One health check of every instance, concurrently."""
+        await asyncio.gather(*(self._check_one(client, i, timeout, headers) for i in self.instances))
+
+    async def _check_one(self, client: httpx.AsyncClient, instance: Instance, timeout: float,
+                         headers: dict[str, str]) -> None:
+        try:
+            response = await client.get(instance.url + "/health", timeout=timeout, headers=headers)
+        except httpx.HTTPError as exc:
+            self.mark_down(instance, f"health check: {type(exc).__name__}: {exc}")
+            return
+        if response.status_code == 200:
+            self.mark_up(instance)
+        else:
+            self.mark_down(instance, f"health check answered {response.status_code}")
