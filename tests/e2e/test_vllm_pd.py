@@ -9,6 +9,7 @@ token; a negative control shows that the assertion depends on the transferred by
 from __future__ import annotations
 
 import importlib.util
+import math
 import signal
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def complete(url: str, prompts: list[str] | str, *, max_tokens: int = 16, timeou
 def last_record(cluster: Any) -> dict[str, Any]:
     import httpx
 
-    return httpx.get(cluster.url("proxy") + "/v1/rd2h/requests", headers=cluster.operator_headers(), timeout=5).json()[-1]
+    return httpx.get(cluster.internal() + "/v1/rd2h/requests", headers=cluster.operator_headers(), timeout=5).json()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +247,7 @@ def test_a_stopped_decode_costs_prefill_nothing_but_its_own_requests(cluster: An
         decode_a = cluster.procs["decode"]
         deadline, tick = time.monotonic() + 60, threading.Event()
         while True:  # a bounded poll of the proxy's state: A posted its rendezvous
-            records = httpx.get(cluster.url("proxy") + "/v1/rd2h/requests", headers=cluster.operator_headers(),
+            records = httpx.get(cluster.internal() + "/v1/rd2h/requests", headers=cluster.operator_headers(),
                                 timeout=5).json()
             if records and "children" in records[-1] and "status" not in records[-1]:
                 break
@@ -266,6 +267,67 @@ def test_a_stopped_decode_costs_prefill_nothing_but_its_own_requests(cluster: An
         assert _tokens(result["response"]) == long_expected
     finally:
         cluster.remove("proxy2", "decode2")
+
+
+def test_a_decode_killed_under_traffic_costs_only_what_it_held(cluster: Any) -> None:
+    """Issue 18 item 4. The proxy routes over two Decodes; one is killed while two clients
+    keep sending. What it held fails at once (502); every request sent after that is served
+    by the other (a connect error moves it on, the health check takes the dead one out of
+    rotation within seconds); none hangs, and every 200 has the single engine's tokens."""
+    import httpx
+
+    cluster.ensure()
+    cluster.add_decode("decode2", "proxy")  # posts its rendezvous to the main proxy
+    cluster.restart_proxy("proxy", ["decode", "decode2"])
+    try:
+        body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                "ignore_eos": True}
+        expected = _tokens(_post(cluster.url("prefill"), body))
+        answers: list[tuple[float, int, Any]] = []
+        stop, killed_at = threading.Event(), [math.inf]
+
+        def client() -> None:
+            while not stop.is_set():
+                started = time.monotonic()
+                response = _post(cluster.url("proxy"), body, ok=False)
+                answers.append((started, response.status_code, response))
+
+        def served() -> dict[str, int]:
+            health = httpx.get(cluster.url("proxy") + "/health", timeout=5).json()
+            return {i["url"]: i["served"] for i in health["decode"]}
+
+        clients = [threading.Thread(target=client) for _ in range(2)]
+        for thread in clients:
+            thread.start()
+        deadline, tick = time.monotonic() + 120, threading.Event()
+        while min(served().values()) < 2:  # both Decodes served traffic
+            assert time.monotonic() < deadline, served()
+            tick.wait(0.05)
+        killed_at[0] = time.monotonic()
+        cluster.procs["decode2"].kill()
+        deadline = time.monotonic() + 30
+        while True:  # the health check takes it out of rotation
+            health = httpx.get(cluster.url("proxy") + "/health", timeout=5).json()
+            if not next(i for i in health["decode"] if i["url"] == cluster.url("decode2"))["up"]:
+                break
+            assert time.monotonic() < deadline, "the killed Decode is still in rotation after 30 s"
+            tick.wait(0.05)
+        after = len([a for a in answers if a[0] > killed_at[0]])
+        while len([a for a in answers if a[0] > killed_at[0]]) < after + 6:  # more traffic after it left
+            assert time.monotonic() < deadline + 120, "traffic stopped after the kill"
+            tick.wait(0.05)
+        stop.set()
+        for thread in clients:
+            thread.join(180)
+            assert not thread.is_alive(), "a request hung"
+        failed = [a for a in answers if a[1] != 200]
+        assert all(a[0] < killed_at[0] and a[1] == 502 for a in failed), [(a[1], a[2].text[:200]) for a in failed]
+        assert len(failed) <= len(clients)  # only what the dead Decode held at the kill
+        assert all(_tokens(a[2]) == [expected[0]] for a in answers if a[1] == 200)
+        print(f"\n{len(answers)} requests, {len(failed)} failed (held by the killed Decode)")
+    finally:
+        cluster.remove("decode2")
+        cluster.restart_proxy("proxy", ["decode"])
 
 
 def test_decode_preempts_under_a_tiny_kv_cache(cluster: Any) -> None:

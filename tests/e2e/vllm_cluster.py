@@ -152,7 +152,7 @@ class Cluster:
         self.secret = secrets.token_hex(32)
         self.env = {"RD2H_SECRET": self.secret, **dict(env or {})}
         ports = free_base_port(3)
-        self.ports = {"prefill": ports, "decode": ports + 1, "proxy": ports + 2}
+        self.ports = {"prefill": ports, "decode": ports + 1, "proxy": ports + 2, "proxy/internal": free_base_port(1)}
         self.kv_port = free_base_port(2 * max(4, *self.tp.values()))  # room for a later ensure(tp=...)
         self.procs: dict[str, Process] = {}
         self.extra: dict[str, dict[str, Any]] = {}
@@ -162,6 +162,10 @@ class Cluster:
 
     def url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.ports[role]}"
+
+    def internal(self, proxy: str = "proxy") -> str:
+        """A proxy's internal listener: rendezvous, request list, metrics."""
+        return self.url(f"{proxy}/internal")
 
     def _engine(self, role: str, extra: dict[str, Any]) -> Process:
         """``extra``'s ``_test_*`` keys load the test-only connector (tests/kit/vllm/
@@ -184,7 +188,7 @@ class Cluster:
         }
         config.update(vllm_keys)
         if kind == "decode":  # where Decode posts its rendezvous: configured, never taken from a request
-            config["kv_connector_extra_config"].setdefault("metaserver", self.url("proxy") + "/v1/rd2h/rendezvous")
+            config["kv_connector_extra_config"].setdefault("metaserver", self.internal() + "/v1/rd2h/rendezvous")
         hook_env = {}
         if hooks:
             config.update(kv_connector="RD2HTestConnector", kv_connector_module_path="rd2h_test_connector")
@@ -231,27 +235,34 @@ class Cluster:
         for role in started:
             self.procs[role].wait_healthy(self.url(role), timeout=240)
         if "proxy" not in self.procs:
-            self._proxy("proxy", "decode")
+            self._proxy("proxy", ["decode"])
 
     def add_decode(self, role: str, proxy: str, extra: dict[str, Any] | None = None) -> None:
-        """Another Decode engine ``role`` (a ``kv_port`` range of its own) and a proxy ``proxy``
-        in front of the same Prefill and it: two Decodes served by one Prefill."""
+        """Another Decode engine ``role`` (a ``kv_port`` range of its own) posting its rendezvous
+        to ``proxy``, which is started in front of the Prefill and it if it is not running."""
         if role in self.procs and self.procs[role].proc.poll() is None:
             return
-        self.ports.setdefault(role, free_base_port(1))
-        self.ports.setdefault(proxy, free_base_port(1))
+        for name in (role, proxy, f"{proxy}/internal"):
+            self.ports.setdefault(name, free_base_port(1))
         self.tp.setdefault(role, self.tp["decode"])
         extra = {"kv_port": free_base_port(2 * max(4, self.tp[role])),
-                 "metaserver": self.url(proxy) + "/v1/rd2h/rendezvous", **(extra or {})}
+                 "metaserver": self.internal(proxy) + "/v1/rd2h/rendezvous", **(extra or {})}
         self.procs[role] = self._engine(role, extra)
         self.extra[role] = extra
         self.procs[role].wait_healthy(self.url(role), timeout=240)
-        self._proxy(proxy, role)
+        if proxy not in self.procs:
+            self._proxy(proxy, [role])
 
-    def _proxy(self, name: str, decode: str) -> None:
+    def restart_proxy(self, name: str, decodes: Sequence[str]) -> None:
+        """``name`` again, in front of the Prefill and these Decodes."""
+        self.remove(name)
+        self._proxy(name, decodes)
+
+    def _proxy(self, name: str, decodes: Sequence[str], *args: str) -> None:
         argv = [
             sys.executable, "-m", "rd2h.cli.main", "proxy", "--port", str(self.ports[name]),
-            "--prefill", self.url("prefill"), "--decode", self.url(decode), "--rendezvous-timeout", "60",
+            "--rendezvous-port", str(self.ports[f"{name}/internal"]), "--prefill", self.url("prefill"),
+            *(arg for d in decodes for arg in ("--decode", self.url(d))), "--rendezvous-timeout", "60", *args,
         ]
         self.procs[name] = Process(name, argv, self.workdir / f"{name}.log", self.env)
         self.procs[name].wait_healthy(self.url(name), timeout=30)

@@ -1,0 +1,145 @@
+"""``rd2h proxy`` as operators run it: the real command, real sockets on loopback, engines
+played by small HTTP servers in this process. What only a process with listeners can show:
+slow clients are cut off, SIGTERM drains, the two listeners are apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+SECRET = "rd2h-proxy-server-test-secret-0123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine(ThreadingHTTPServer):
+    """An engine that answers /health and holds each POST until ``release`` is set."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.received = threading.Event()
+        self.release = threading.Event()
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: Engine
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._answer({"status": "ok"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.server.received.set()
+        self.server.release.wait(60)
+        self._answer({"choices": [{"index": 0, "text": "decoded"}]})
+
+    def _answer(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    engines = {"prefill": Engine(), "decode": Engine()}
+    port, internal = free_port(), free_port()
+    argv = [sys.executable, "-m", "rd2h.cli.main", "proxy", "--port", str(port), "--rendezvous-port", str(internal),
+            "--prefill", engines["prefill"].url, "--decode", engines["decode"].url, "--header-timeout", "1",
+            "--health-interval", "0.2", "--drain-timeout", "30"]
+    log = open(tmp_path / "proxy.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RD2H_SECRET": SECRET})
+    url = f"http://127.0.0.1:{port}"
+    ready = threading.Event()
+    with httpx.Client(timeout=2) as client:
+        for _ in range(600):  # a bounded poll until it listens (or exits)
+            assert proc.poll() is None, (tmp_path / "proxy.log").read_text()
+            try:
+                if client.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            ready.wait(0.05)
+    try:
+        yield {"url": url, "internal": f"http://127.0.0.1:{internal}", "port": port, "proc": proc, **engines}
+    finally:
+        for engine in engines.values():
+            engine.release.set()
+        proc.kill()
+        proc.wait(10)
+        log.close()
+        for engine in engines.values():
+            engine.shutdown()
+
+
+def test_a_connection_that_does_not_finish_its_headers_is_closed_with_408(proxy: dict[str, Any]) -> None:
+    with socket.create_connection(("127.0.0.1", proxy["port"]), timeout=20) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        answer = slow.recv(1024)  # the header deadline (1 s) answers; the socket timeout is only a bound
+        assert answer.startswith(b"HTTP/1.1 408")
+        assert slow.recv(1024) == b""  # and closed
+    with httpx.Client(timeout=5) as client:  # others are served meanwhile
+        assert client.get(proxy["url"] + "/health").status_code == 200
+
+
+def test_the_listeners_are_apart(proxy: dict[str, Any]) -> None:
+    with httpx.Client(timeout=5) as client:
+        assert client.post(proxy["url"] + "/v1/rd2h/rendezvous", json={}).status_code == 404
+        assert client.post(proxy["internal"] + "/v1/rd2h/rendezvous", json={}).status_code == 403  # unsigned
+        assert client.post(proxy["internal"] + "/v1/completions", json={}).status_code == 404
+        assert "rd2h_proxy_requests_total" in client.get(proxy["internal"] + "/metrics").text
+
+
+def test_sigterm_drains_what_is_in_flight_then_exits(proxy: dict[str, Any]) -> None:
+    result: dict[str, Any] = {}
+
+    def client() -> None:
+        body = {"model": "m", "prompt": "a", "max_tokens": 2}
+        result["response"] = httpx.post(proxy["url"] + "/v1/completions", json=body, timeout=60)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    assert proxy["decode"].received.wait(30)  # the request is in flight on Decode
+    proxy["proc"].send_signal(signal.SIGTERM)
+    with httpx.Client(timeout=5) as probe:
+        for _ in range(600):  # a bounded poll: the internal listener says it drains
+            health = probe.get(proxy["internal"] + "/health")
+            if health.json()["status"] == "draining":
+                break
+            proxy["decode"].received.wait(0.05)
+        assert health.status_code == 503
+        with pytest.raises(httpx.ConnectError):  # the public listener takes nothing new
+            probe.post(proxy["url"] + "/v1/completions", json={"model": "m", "prompt": "b"})
+    assert proxy["proc"].poll() is None  # still serving what it holds
+    proxy["decode"].release.set()
+    thread.join(30)
+    assert result["response"].status_code == 200 and result["response"].json()["choices"][0]["text"] == "decoded"
+    assert proxy["proc"].wait(30) == 0
