@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         rows = []
         for i in range(args.requests):
             pd = _stream(cluster.url("proxy"), _prompt(f"pd{i}", args.prompt_words), args.max_tokens)
-            record = httpx.get(cluster.url("proxy") + "/v1/rd2h/requests", headers=cluster.operator_headers(), timeout=5).json()[-1]
+            record = httpx.get(cluster.internal() + "/v1/rd2h/requests", headers=cluster.operator_headers(), timeout=5).json()[-1]
             single = _stream(cluster.url("prefill"), _prompt(f"single{i}", args.prompt_words), args.max_tokens)
             rows.append({
                 "pd_ttft_ms": round(pd["ttft_ms"], 2), "pd_total_ms": round(pd["total_ms"], 2),

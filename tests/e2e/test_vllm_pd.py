@@ -218,53 +218,53 @@ def test_a_clients_own_kv_transfer_params_steer_nothing(cluster: Any) -> None:
     assert complete(cluster.url("proxy"), PROMPTS[:1], max_tokens=6) == expected  # and P/D goes on
 
 
-def test_a_stopped_decode_costs_prefill_nothing_but_its_own_requests(cluster: Any) -> None:
-    """Issue 17 item 5. Two Decodes share one Prefill (two proxies). Decode A is SIGSTOPped
-    once its rendezvous for a long prompt (four Prefill steps) is posted: Prefill announces
-    that prompt's layers to a Decode that never answers. Decode B's requests keep their
-    latency (a save that waited on A's replies would hold them up to reply_timeout, 90 s);
-    A, resumed, still gets its tokens."""
-    import httpx
-
-    cluster.ensure()
+def test_a_stopped_decode_costs_prefill_nothing_but_its_own_requests(cluster: Any, tmp_path: Path) -> None:
+    """Issue 17 item 5. Two Decodes share one Prefill (two proxies). Prefill (test hook) holds
+    4 s before layer 1 of the first request it sends, Decode A's: layer 0 is announced, and
+    A is SIGSTOPped meanwhile; then Prefill announces the other layers to a Decode that never
+    answers. Decode B's requests keep their latency (a save that waited on A's replies would
+    hold them up to reply_timeout, 90 s); A, resumed, still gets its tokens."""
+    hold = tmp_path / "hold"
+    cluster.ensure(prefill={"_test_hold_file": str(hold), "_test_hold_layer": 1, "_test_hold_seconds": 4})
     cluster.add_decode("decode2", "proxy2")
     try:
         body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
                 "ignore_eos": True}
-        expected = _tokens(_post(cluster.url("prefill"), body))
-        long_body = {**body, "prompt": LONG}
-        long_expected = _tokens(_post(cluster.url("prefill"), long_body))
+        long_body = {**body, "prompt": "decode a stops " + LONG}
 
-        def timed_on_b() -> float:
+        def timed_on_b() -> tuple[float, list[list[int]]]:
             started = time.monotonic()
-            assert _tokens(_post(cluster.url("proxy2"), body)) == expected
-            return time.monotonic() - started
+            tokens = _tokens(_post(cluster.url("proxy2"), body))
+            return time.monotonic() - started, tokens
 
-        before = sorted(timed_on_b() for _ in range(3))
         result: dict[str, Any] = {}
         thread = threading.Thread(target=lambda: result.update(response=_post(cluster.url("proxy"), long_body, ok=False)))
         thread.start()
-        decode_a = cluster.procs["decode"]
-        deadline, tick = time.monotonic() + 60, threading.Event()
-        while True:  # a bounded poll of the proxy's state: A posted its rendezvous
-            records = httpx.get(cluster.internal() + "/v1/rd2h/requests", headers=cluster.operator_headers(),
-                                timeout=5).json()
-            if records and "children" in records[-1] and "status" not in records[-1]:
-                break
-            assert time.monotonic() < deadline and thread.is_alive(), "Decode A never posted its rendezvous"
+        decode_a, tick = cluster.procs["decode"], threading.Event()
+        deadline = time.monotonic() + 60
+        while not Path(f"{hold}.held").exists():  # Prefill announced layer 0 to A and holds
+            assert time.monotonic() < deadline and thread.is_alive(), "Prefill never held A's request"
             tick.wait(0.01)
         decode_a.kill(signal.SIGSTOP)
         try:
-            during = sorted(timed_on_b() for _ in range(3))
+            while not Path(f"{hold}.released").exists():  # Prefill goes on, announcing to a stopped A
+                assert time.monotonic() < deadline, "Prefill's hold never ended"
+                tick.wait(0.01)
+            during = [timed_on_b() for _ in range(3)]
+            assert thread.is_alive()  # A's request is still held by the stopped Decode
         finally:
             decode_a.kill(signal.SIGCONT)
         thread.join(150)
         assert not thread.is_alive(), "Decode A's request never ended after it resumed"
-        print(f"\nDecode B's latency, s: with A running {before}, with A stopped {during}; "
-              f"median ratio {during[1] / before[1]:.2f}")
-        assert during[-1] < STALL_BOUND, (before, during)
+        after = [timed_on_b() for _ in range(3)]  # B's latency with nothing stopped
+        expected = _tokens(_post(cluster.url("prefill"), body))
+        assert all(tokens == expected for _, tokens in during + after)
+        stopped, running = sorted(t for t, _ in during), sorted(t for t, _ in after)
+        print(f"\nDecode B's latency, s: with A stopped {stopped}, with A running {running}; "
+              f"median ratio {stopped[1] / running[1]:.2f}")
+        assert stopped[-1] < STALL_BOUND, (stopped, running)
         assert result["response"].status_code == 200, result["response"].text
-        assert _tokens(result["response"]) == long_expected
+        assert _tokens(result["response"]) == _tokens(_post(cluster.url("prefill"), long_body))
     finally:
         cluster.remove("proxy2", "decode2")
 

@@ -197,6 +197,8 @@ class Cluster:
                 hook_env["RD2H_TEST_CORRUPT"] = "1"
             if "_test_hold_file" in hooks:
                 hook_env["RD2H_TEST_HOLD_FILE"] = str(hooks.pop("_test_hold_file"))
+            if "_test_hold_seconds" in hooks:
+                hook_env["RD2H_TEST_HOLD_SECONDS"] = str(hooks.pop("_test_hold_seconds"))
             if "_test_hold_layer" in hooks:
                 hook_env["RD2H_TEST_HOLD_LAYER"] = str(hooks.pop("_test_hold_layer"))
             if hooks.pop("_test_fail_reads", False):

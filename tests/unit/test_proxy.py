@@ -171,9 +171,14 @@ def test_a_failed_prefill_under_decodes_fail_policy_ends_a_stream_with_an_error_
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
         body = {"model": "m", "prompt": "a", "max_tokens": 4, "stream": True}
         response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200  # the headers went out before Prefill failed
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
-        assert events and events[-1]["error"]["type"] == "rd2h_proxy_error"
+        error = events[-1]["error"]  # OpenAI's error shape, and no [DONE]: the stream failed
+        assert error["type"] == "rd2h_proxy_error" and error["code"] == 502 and "param" in error and error["message"]
+        assert "[DONE]" not in response.text
         assert len(engines.decode_bodies) == 1 and (await client.get("/health")).json()["recomputed"] == 0
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        assert record["status"] == 502 and record["error"]  # logged as failed, not as the 200 it began as
 
     run(scenario, prefill_fails=True, policy="fail")
 

@@ -10,6 +10,7 @@ rd2h itself carries no test hook. The hooks are switched on by the engine's envi
   ``PATH.held`` and then holds (``RD2H_TEST_HOLD_SECONDS``, default 120) so a test can kill
   the engine with a request in hand. With ``RD2H_TEST_HOLD_LAYER=K`` it holds instead before
   announcing layer K of a step that sends, layers 0..K-1 announced: killed mid-transfer.
+  Once the hold ends it touches ``PATH.released``.
 - ``RD2H_TEST_FAIL_READS=1`` (Decode): every batched read of the transfer engine raises, as
   a dead link would: the sink fails the requests and vLLM's ``kv_load_failure_policy`` decides.
 """
@@ -94,6 +95,8 @@ class HookedWorker(RD2HWorker):
         with open(f"{self.hold_file}.held", "w"):
             pass
         threading.Event().wait(float(os.environ.get("RD2H_TEST_HOLD_SECONDS", "120")))
+        with open(f"{self.hold_file}.released", "w"):
+            pass
 
 
 class RD2HTestConnector(RD2HConnector):
