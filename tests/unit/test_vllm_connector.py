@@ -46,7 +46,7 @@ def test_poster_retries_transport_errors_and_counts_http_errors_as_delivered() -
     poster.submit("b", "http://m", {"ext_id": "b"})
     assert done.wait(5)
     poster.close()
-    assert calls == ["a", "a", "a", "b"] and poster.delivered == ["a", "b"]
+    assert calls == ["a", "a", "a", "b"] and list(poster.recent) == ["a", "b"]
 
 
 def test_poster_cancel_and_close_drop_what_is_not_posted() -> None:
