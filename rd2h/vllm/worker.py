@@ -22,11 +22,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rd2h.errors import ConfigError, RD2HError, UnknownRequestError
+from rd2h.errors import ConfigError, DuplicateRequestError, RD2HError, UnknownRequestError
 from rd2h.outcome import Outcome, TerminalState
 from rd2h.tensors import LayerTensors, layer_layout, record_event
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
+from rd2h.vllm.stats import RD2HStats, WorkerTally
 from rd2h.wire.endpoint import DecodeEndpoint
 
 __all__ = ["RD2HWorker", "split_layers"]
@@ -121,6 +122,7 @@ class RD2HWorker:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self.tally = WorkerTally()  # what vLLM's get_kv_connector_stats reports
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -141,6 +143,7 @@ class RD2HWorker:
                 channel=cfg.channel, channel_options=cfg.channel_options, advertise_host=cfg.advertise_host,
                 main_split=split, request_timeout=cfg.request_timeout,
             )
+            self.tally.watch(self.sink)
         if self.producer:
             extra: dict[str, Any] = {}
             if len(self.block_sizes) > 1 and _accepts(KVSource, "indexer_block_size"):
@@ -170,28 +173,32 @@ class RD2HWorker:
             self._apply_send(meta)
 
     def _apply_recv(self, meta: StepMetadata) -> None:
-        for spec in meta.recv:
-            indexer = spec.blocks[1] if self.config.mode is Mode.SFA and len(spec.blocks) > 1 else None
-            if spec.ext_id in self._recv_req:  # the scheduler claims each id once: a second is refused
-                self._recv_failed(spec.req_id, f"{spec.ext_id} is already expected for {self._recv_req[spec.ext_id]}")
-                continue
-            try:
-                self.sink.expect(spec.ext_id, spec.blocks[0], indexer, first_block=spec.first_block)
-            except Exception as exc:  # noqa: BLE001 - this request's problem, never the engine's
-                self._recv_failed(spec.req_id, f"cannot expect {spec.ext_id}: {exc}")
-                continue
-            self._recv_req[spec.ext_id] = spec.req_id
-            self._recv_blocks[spec.ext_id] = spec.blocks[0][spec.first_block :]
-            self._expected[spec.ext_id] = 1
+        # aborts first: vLLM freed an aborted request's blocks at once and may have given them
+        # to a request this same step expects
         for ext_id in meta.recv_abort:
             try:
                 self.sink.abort(ext_id)  # reported ABORTED through take(), once no read writes it
             except Exception:  # noqa: BLE001
                 log.exception("Decode rank %d: aborting %s failed", self.rank, ext_id)
+        for spec in meta.recv:
+            indexer = spec.blocks[1] if self.config.mode is Mode.SFA and len(spec.blocks) > 1 else None
+            if spec.ext_id in self._recv_req:  # the scheduler claims each id once: a second is refused
+                why = f"{spec.ext_id} is already expected for {self._recv_req[spec.ext_id]}"
+                self._recv_failed(spec.req_id, why, DuplicateRequestError(why))
+                continue
+            try:
+                self.sink.expect(spec.ext_id, spec.blocks[0], indexer, first_block=spec.first_block)
+            except Exception as exc:  # noqa: BLE001 - this request's problem, never the engine's
+                self._recv_failed(spec.req_id, f"cannot expect {spec.ext_id}: {exc}", exc)
+                continue
+            self._recv_req[spec.ext_id] = spec.req_id
+            self._recv_blocks[spec.ext_id] = spec.blocks[0][spec.first_block :]
+            self._expected[spec.ext_id] = 1
 
-    def _recv_failed(self, req_id: str, why: str) -> None:
+    def _recv_failed(self, req_id: str, why: str, error: BaseException) -> None:
         """A pull that cannot start: the request fails now (vLLM frees or recomputes it)."""
         log.error("Decode rank %d: request %s: %s", self.rank, req_id, why)
+        self.tally.pull_failed(error)
         self._failed_recving.add(req_id)
         self._finished_recving.add(req_id)
 
@@ -246,6 +253,7 @@ class RD2HWorker:
         log.error("Prefill rank %d: request %s (%s) is not sent: %s", self.rank, req_id, ext_id, error)
         reason = error if isinstance(error, RD2HError) else RD2HError(str(error))
         self._sent[ext_id] = Outcome(ext_id, TerminalState.FAILED, reason, 0, 0.0, 0.0)
+        self.tally.sent(self._sent[ext_id])
 
     def _quiet_abort(self, ext_id: str) -> None:
         try:
@@ -284,6 +292,7 @@ class RD2HWorker:
                 blocks = self._recv_blocks.pop(ext_id, ())
                 if req_id is None:
                     continue
+                self.tally.pulled(outcome)
                 if not outcome.ok:
                     level = logging.INFO if outcome.state is TerminalState.ABORTED else logging.WARNING
                     log.log(level, "Decode rank %d: %s %s: %s", self.rank, ext_id, outcome.state.name, outcome.error)
@@ -292,6 +301,7 @@ class RD2HWorker:
                 self._finished_recving.add(req_id)
         if self.source is not None:
             for ext_id, outcome in self._take_sent().items():
+                self.tally.sent(outcome)
                 if ext_id in self._forget:  # preempted: vLLM owns its blocks again
                     self._forget.discard(ext_id)
                 else:
@@ -335,6 +345,10 @@ class RD2HWorker:
     def _take_sent(self) -> dict[str, Outcome]:
         take = getattr(self.source, "take", None) or self.source.take_finished
         return take()
+
+    def stats(self) -> RD2HStats | None:
+        """This rank's transfer statistics since the last call (vLLM asks after every step)."""
+        return self.tally.take(self.sink)
 
     def worker_report(self) -> WorkerReport | None:
         if not self._expected:

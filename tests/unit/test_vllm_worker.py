@@ -156,6 +156,19 @@ def test_decode_abort_is_reported_finished_and_failed(pair) -> None:
 
 
 @pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_blocks_freed_by_an_abort_may_go_to_a_new_request_in_the_same_step(pair) -> None:
+    """vLLM frees an aborted request's blocks at once and may give them to a new request in
+    the very next step, whose metadata carries both: the abort is applied first, so the new
+    request is expected (it was refused as "block held by live request", and failed)."""
+    decode = pair[1]
+    decode.bind(StepMetadata(recv=(RecvSpec("old-0", "old-req", ((3, 4),), 0, 40),)))
+    decode.bind(StepMetadata(recv=(RecvSpec("new-0", "new-req", ((4, 3),), 0, 40),), recv_abort=("old-0",)))
+    _, recving, failed = decode.transfer_results()
+    assert recving == {"old-req"} and failed == {"old-req"}  # only the aborted one
+    assert decode.sink.abort("new-0")  # live on the sink: it was expected
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
 def test_prefill_abort_before_decode_replied_is_still_reported(pair) -> None:
     prefill, _, src, _, endpoint = pair
     run_prefill(prefill, src, [
