@@ -131,7 +131,8 @@ def test_decode_prompt_list_children_get_their_own_ids(model: Path) -> None:
     scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({i: 1 for i in ids})))
     assert posts.posted.wait(5)
     ours = scheduler.connector.scheduler
-    ours._poster.close()  # drains nothing more; every body was posted in order
+    assert ours._poster.flush(30)  # every body was posted (close would drop what is still queued)
+    ours._poster.close()
     assert sorted(b["ext_id"] for b in posts.bodies) == ids
 
 
