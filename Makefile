@@ -1,8 +1,10 @@
 # The two commands a new machine needs:  make demo   and   make test
 # Both set up .venv first (idempotent): rd2h, its default backends, the memfabric backend with
 # the real memfabric-hybrid wheel and its CPU test kit, the mooncake and nixl backends with their
-# wheels (nixl-cu12 declares torch: the CPU torch goes in first), torch (CPU) and the test tools.
-# Debian packages (mooncake's libibverbs1/librdmacm1, iproute2, iperf3) come from .ci/run.
+# wheels (NIXL's declare torch: the CPU torch goes in first), torch (CPU) and the test tools.
+# Before that, on every run, the Debian packages of tools/system-packages.txt (gcc, mooncake's
+# libibverbs1/librdmacm1, iproute2, iperf3, ...): checked, installed when missing (tools/system-packages.sh,
+# which .ci/run calls too).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,11 +13,15 @@ KIT    := .rd2h-kit
 STAMP  := $(VENV)/.rd2h-installed
 BACKENDS := $(wildcard backends/*/pyproject.toml)
 
-.PHONY: setup test demo bench clean
+.PHONY: setup system-packages test demo bench clean
 
-setup: $(STAMP)
+setup: system-packages $(STAMP)
 
-$(STAMP): pyproject.toml $(BACKENDS) Makefile
+# one dpkg-query when nothing is missing; order-only below, so it never makes the stamp stale
+system-packages:
+	bash tools/system-packages.sh
+
+$(STAMP): pyproject.toml $(BACKENDS) Makefile | system-packages
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	# torch 2.13.0 is a CPU wheel on these machines; an unpinned torch pulls a multi-GB CUDA build
