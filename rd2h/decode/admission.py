@@ -14,6 +14,7 @@ The loop thread owns everything here but the helper threads' calls to ``connect`
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class Handshake:
     held: list[bytes] = field(default_factory=list)
     held_bytes: int = 0
     dropped: int = 0
+    started: float = field(default_factory=time.monotonic)  # how long it took is a metric
 
     def result(self) -> Session | RD2HError:
         """The session, or the failure (an unexpected exception becomes a TransferError)."""

@@ -120,7 +120,7 @@ class LayerReader:
         self._layers, self._regions, self._peers = layers, regions, peers
         self._clock = clock
         self.counters = counters
-        self._on_layer = on_layer
+        self.on_layer = on_layer  # the sink may set it later (see Sink.on_layer)
         self._block_bytes = {name: _bytes_per_block(layout) for name, layout in layers.items()}
         # what a step repeats on every layer is derived once per step
         self._plans = StepPlans()  # a plan is read before the next is built
@@ -164,8 +164,9 @@ class LayerReader:
             read_seconds, time.perf_counter() - started, len(failures),
         )  # fmt: skip
         self.counters.stats.append(stat)
-        if self._on_layer is not None:
-            self._on_layer(stat)
+        observe = self.on_layer  # read once: another thread may set it
+        if observe is not None:
+            observe(stat)
 
     def refuse_oversized(self, identity: bytes, over: Oversized, max_ids: int) -> None:
         """Refuse a readiness naming too many ids, per request, without decoding its ids."""

@@ -58,6 +58,9 @@ class Sink:
     rank). ``request_timeout`` is the default deadline of an expected request (None: none).
     ``peer_limits`` bounds what peers may cost: entries in all and per Prefill process, idle
     time, block ids per readiness (:class:`~rd2h.decode.peer_limits.PeerLimits`).
+    ``on_layer`` and ``on_handshake`` are called on the loop thread with each handled
+    readiness's :class:`LayerStat` and each handshake's seconds (from a peer's ``mf_meta`` to
+    its admission or refusal); both may be set after construction. They must not block.
     The engine, listener and thread belong to the sink: ``close()`` stops and closes them.
     """
 
@@ -77,6 +80,7 @@ class Sink:
         liveness_seconds: float = 0.5,
         on_layer: Callable[[LayerStat], None] | None = None,
         peer_limits: PeerLimits | None = None,
+        on_handshake: Callable[[float], None] | None = None,
     ) -> None:
         self._tracker = ReceiveTracker(
             layers, decode_rank=rank, decode_tp=tp_size, main_split=main_split, request_timeout=request_timeout
@@ -101,6 +105,7 @@ class Sink:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.counters = Counters()
+        self.on_handshake = on_handshake
         self._reader = LayerReader(
             rank=rank, tp_size=tp_size, engine=engine, listener=listener, tracker=self._tracker,
             changed=self._changed, layers=self._layers, regions=self._regions, peers=self._peers,
@@ -116,6 +121,14 @@ class Sink:
     @property
     def main_split(self) -> MainSplit:
         return self._tracker.main_split
+
+    @property
+    def on_layer(self) -> Callable[[LayerStat], None] | None:
+        return self._reader.on_layer
+
+    @on_layer.setter
+    def on_layer(self, observe: Callable[[LayerStat], None] | None) -> None:
+        self._reader.on_layer = observe
 
     def start(self) -> Sink:
         if self._thread is None:
@@ -298,11 +311,18 @@ class Sink:
                 session = self._engine.connect(meta.engine_metadata)
         except RD2HError as exc:
             self._refuse(identity, meta, exc)
+            self._handshake_ended(started)
             return
         took = time.monotonic() - started
         if took > _SLOW_SECONDS:
             log.warning("rank %d: connecting to Prefill %s took %.1f s", self.rank, meta.p_session[:80], took)
         self._admit(identity, meta, layers, session)
+        self._handshake_ended(started)
+
+    def _handshake_ended(self, started: float) -> None:
+        observe = self.on_handshake
+        if observe is not None:
+            observe(time.monotonic() - started)
 
     def _finish_handshakes(self) -> None:
         for identity, handshake in self._admissions.finished():
@@ -314,6 +334,7 @@ class Sink:
             self._refuse(identity, handshake.meta, result)
         else:
             self._admit(identity, handshake.meta, handshake.layers, result)
+        self._handshake_ended(handshake.started)
         for frame in handshake.held:  # in the order they came; another mf_meta holds the rest again
             self._handle(identity, frame)
 

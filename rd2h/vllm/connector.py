@@ -7,8 +7,8 @@ the worker role to :class:`~rd2h.vllm.worker.RD2HWorker`. Roles: ``kv_producer``
 
 Hooks that exist only in some vLLM versions (vllm-ascend's ``wait_for_layer_send``,
 ``on_kv_cache_written``, ``requires_full_blocks_on_update_after_alloc``; upstream's
-``get_transfer_results`` with ``failed_recving``) are defined here and harmless where
-nobody calls them.
+``get_transfer_results`` with ``failed_recving``, and the transfer statistics of
+:mod:`rd2h.vllm.stats`) are defined here and harmless where nobody calls them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.metadata import StepMetadata
 from rd2h.vllm.scheduler import RD2HScheduler
+from rd2h.vllm.stats import RD2HStats, SchedulerTally, build_prom_metrics
 from rd2h.vllm.vouch import load_secret
 from rd2h.vllm.worker import RD2HWorker
 
@@ -102,6 +103,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         _check_topology(self.rd2h_config, tp, bool(getattr(vllm_config.model_config, "use_mla", False)))
         self._scheduler: RD2HScheduler | None = None
         self._worker: RD2HWorker | None = None
+        self._local = SchedulerTally()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = RD2HScheduler(
                 self.rd2h_config, consumer=consumer, producer=producer, block_sizes=sizes, tp_size=tp,
@@ -237,6 +239,33 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    # -- statistics (vLLM's KVConnectorStats: its log line and its /metrics) ----------------
+
+    def get_kv_connector_stats(self) -> RD2HStats | None:
+        """What happened since the last call: vLLM asks each worker after every step, and the
+        scheduler's connector after it took the workers' output; it sums what it gets."""
+        if self._worker is not None:
+            return self._worker.stats()
+        if self._scheduler is not None:
+            return self._local.take(self._scheduler.stats)
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RD2HStats:
+        """The stats object for a payload that crossed processes (the API process's logger)."""
+        return RD2HStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """The ``vllm:rd2h_*`` series on vLLM's ``/metrics`` (rd2h.vllm.stats, docs/vllm.md)."""
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
