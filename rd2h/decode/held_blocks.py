@@ -1,8 +1,9 @@
 """Which destination blocks live requests hold on one Decode rank (pure: numpy, no I/O).
 
 ``expect`` refuses destinations that repeat a block, fall outside the destination tensors,
-or overlap a live request's: two requests sharing a block would each be reported DONE with
-the other's bytes in it. One boolean per block and group; a request's blocks are released
+or whose written part overlaps what a live request writes: two requests writing one block
+would each be reported DONE with the other's bytes in it. A cached prefix (before the first
+block Prefill sends) is only read by the model, and vLLM shares it between requests. One boolean per block and group; a request's blocks are released
 when it settles, once no read can be writing them.
 """
 
@@ -32,12 +33,15 @@ class HeldBlocks:
         self.main = np.zeros(main_blocks, dtype=np.bool_)
         self.indexer = np.zeros(min(indexers), dtype=np.bool_) if indexers else None
 
-    def check(self, ext_id: str, destinations: Destinations, owner: Callable[[str, int], str]) -> None:
-        """Raise DestinationError unless ``destinations`` may be held; ``owner(group, block)``
+    def check(self, ext_id: str, destinations: Destinations, written: Destinations,
+              owner: Callable[[str, int], str]) -> None:
+        """Raise DestinationError unless ``destinations`` are valid and the ``written`` part of
+        them (from the first block Prefill sends: the prefix before it is a cached block that
+        vLLM may share with live requests) is held by no live request; ``owner(group, block)``
         names the live request holding a block, for the message."""
-        _check(ext_id, "main", destinations.main, self.main, owner)
+        _check(ext_id, "main", destinations.main, written.main, self.main, owner)
         if self.indexer is not None:
-            _check(ext_id, "indexer", destinations.indexer, self.indexer, owner)
+            _check(ext_id, "indexer", destinations.indexer, written.indexer, self.indexer, owner)
 
     def hold(self, destinations: Destinations, held: bool = True) -> None:
         self.main[destinations.main] = held
@@ -46,7 +50,8 @@ class HeldBlocks:
 
 
 def _check(
-    ext_id: str, what: str, ids: Int64Array, taken: npt.NDArray[np.bool_], owner: Callable[[str, int], str]
+    ext_id: str, what: str, ids: Int64Array, written: Int64Array, taken: npt.NDArray[np.bool_],
+    owner: Callable[[str, int], str],
 ) -> None:
     limit = len(taken)
     if len(ids) and (ids.min() < 0 or ids.max() >= limit):
@@ -55,9 +60,9 @@ def _check(
     values, counts = np.unique(ids, return_counts=True)
     if len(values) != len(ids):
         raise DestinationError(f"request {ext_id!r}: {what} destination block {int(values[counts > 1][0])} given twice")
-    clash = taken[ids]
+    clash = taken[written]
     if clash.any():
-        block = int(ids[np.argmax(clash)])
+        block = int(written[np.argmax(clash)])
         raise DestinationError(
             f"request {ext_id!r}: {what} destination block {block} is held by live request {owner(what, block)!r}"
         )

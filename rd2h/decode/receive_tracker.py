@@ -152,8 +152,9 @@ class ReceiveTracker:
         for what, first, ids in (("main", first_block, destinations.main), ("indexer", index_first, destinations.indexer)):
             if not 0 <= first <= len(ids):
                 raise ConfigError(f"request {ext_id!r}: {what} first block {first} outside 0..{len(ids)}")
-        self._held.check(ext_id, destinations, self._holder)
-        self._held.hold(destinations)
+        written = Destinations(destinations.main[first_block:], destinations.indexer[index_first:])
+        self._held.check(ext_id, destinations, written, self._holder)
+        self._held.hold(written)
         timeout = self.request_timeout if deadline is None else deadline
         request = _Request(
             ext_id,
@@ -162,6 +163,7 @@ class ReceiveTracker:
             started=now,
             deadline=None if timeout is None else now + timeout,
             expected_peer=expected_peer,
+            written=written,
         )
         self._serials += 1
         request.serial = self._serials
@@ -499,7 +501,8 @@ class ReceiveTracker:
 
     def _holder(self, what: str, block: int) -> str:
         for request in self._requests.values():
-            if block in (request.destinations.main if what == "main" else request.destinations.indexer):
+            held = request.written or request.destinations
+            if block in (held.main if what == "main" else held.indexer):
                 return request.ext_id
         return "another request"
 
@@ -511,7 +514,7 @@ class ReceiveTracker:
         if not request.terminal or request.reading:
             return
         del self._requests[request.ext_id]
-        self._held.hold(request.destinations, False)
+        self._held.hold(request.written or request.destinations, False)
         self._book.settle(Outcome(
             request.ext_id,
             _TERMINAL[request.state],
