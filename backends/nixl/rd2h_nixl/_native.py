@@ -21,9 +21,10 @@ from rd2h.errors import BackendUnavailableError, PeerGoneError, RD2HError, Trans
 
 __all__ = ["environment", "import_nixl", "to_rd2h", "call", "INSTALL_HINT"]
 
-INSTALL_HINT = "pip install 'rd2h[nixl]' (the wheel nixl-cu12; install torch first, it declares torch)"
-# the wheels that provide NIXL's Python API, newest packaging first
-_MODULES = ("nixl_cu12", "nixl")
+INSTALL_HINT = "pip install 'rd2h[nixl]' (the package nixl, which vLLM's NIXL connector imports too; install torch first)"
+# ``nixl`` first: the module vLLM's own connector imports (a meta package choosing its CUDA
+# build at import); ``nixl_cu12`` where only that wheel is installed
+_MODULES = ("nixl", "nixl_cu12")
 
 T = TypeVar("T")
 
