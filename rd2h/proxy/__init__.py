@@ -8,6 +8,7 @@ has posted, the original request goes to a Prefill engine once, with ``max_token
 ``do_remote_decode`` naming each child's Decode endpoint. Needs the ``[proxy]`` extra.
 """
 
-from rd2h.proxy.app import ProxyConfig, create_apps
+from rd2h.proxy.app import ProxyConfig
+from rd2h.proxy.routes import create_apps
 
 __all__ = ["ProxyConfig", "create_apps"]

@@ -1,4 +1,5 @@
-"""The proxy's two ASGI apps (FastAPI + httpx, async throughout) over one shared state.
+"""The proxy's state and request flow (FastAPI + httpx, async throughout); its routes are in
+:mod:`rd2h.proxy.routes`.
 
 Public (clients): ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming passed
 through), ``GET /v1/models`` (a Decode's), ``GET /health``. Internal (engines and
@@ -43,16 +44,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, shape_of
 from rd2h.proxy.instances import Instance, Pool
-from rd2h.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from rd2h.proxy.metrics import ProxyMetrics
 from rd2h.vllm.params import decode_fields, prefill_fields
 from rd2h.vllm.vouch import VouchError, token, verify
 
-__all__ = ["ProxyConfig", "create_apps"]
+__all__ = ["Proxy", "ProxyConfig", "read_limited"]
 
 log = logging.getLogger("rd2h.proxy")
 
@@ -110,7 +111,7 @@ class _Pending:
     streams: list[tuple[Pool, Instance]] = field(default_factory=list)  # outstanding until the end
 
 
-class _Proxy:
+class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.prefill_pool = Pool("prefill", config.prefill)
@@ -247,7 +248,7 @@ class _Proxy:
         try:
             if self.draining:
                 raise Refused("the proxy is shutting down: send the request again", status=503)
-            body = parse_body(await _read_limited(request, self.config.max_body_bytes, self.config.body_timeout))
+            body = parse_body(await read_limited(request, self.config.max_body_bytes, self.config.body_timeout))
             prompts, samples = shape_of(body, path)
         except Refused as exc:
             self.metrics.requests.labels(path, str(exc.status)).inc()
@@ -436,7 +437,7 @@ class _Proxy:
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
 
-async def _read_limited(request: Request, limit: int, timeout: float = 10.0) -> bytes:
+async def read_limited(request: Request, limit: int, timeout: float = 10.0) -> bytes:
     """The body, refused with 413 past ``limit`` bytes before more of it is read, and with 408
     when it takes more than ``timeout`` seconds to arrive."""
     try:
@@ -471,59 +472,3 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
         result = await task
         if isinstance(result, httpx.Response):
             await result.aclose()
-
-
-def create_apps(config: ProxyConfig) -> tuple[FastAPI, FastAPI]:
-    """``(public, internal)`` ASGI apps over one proxy; the public app's lifespan starts and
-    stops the shared HTTP client and the health checks."""
-    proxy = _Proxy(config)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await proxy.start()
-        try:
-            yield
-        finally:
-            await proxy.stop()
-
-    public = FastAPI(title="rd2h proxy", lifespan=lifespan)
-    internal = FastAPI(title="rd2h proxy (internal)")
-    public.state.proxy = internal.state.proxy = proxy
-
-    @public.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/completions")
-
-    @public.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/chat/completions")
-
-    @public.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await proxy.models(request)
-
-    @public.get("/health")
-    @internal.get("/health")
-    async def health() -> Response:
-        ready = not proxy.draining and proxy.prefill_pool.any_up() and proxy.decode_pool.any_up()
-        return JSONResponse(proxy.health(), status_code=200 if ready else 503)
-
-    @internal.post(RENDEZVOUS_PATH)
-    async def rendezvous(request: Request) -> Response:
-        try:
-            body = parse_body(await _read_limited(request, 64 << 10))
-        except Refused as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status)
-        return proxy.rendezvous(body)
-
-    @internal.get("/v1/rd2h/requests")
-    async def requests(request: Request) -> Response:
-        if not proxy.may_read_requests(request):
-            return JSONResponse({"error": "needs Authorization: Bearer <rd2h operator token>"}, status_code=401)
-        return JSONResponse(list(proxy.recent))
-
-    @internal.get("/metrics")
-    async def metrics() -> Response:
-        return Response(proxy.metrics.scrape(), media_type=CONTENT_TYPE)
-
-    return public, internal

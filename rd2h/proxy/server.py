@@ -22,7 +22,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from rd2h.proxy.app import ProxyConfig, create_apps
+from rd2h.proxy.app import ProxyConfig
+from rd2h.proxy.routes import create_apps
 
 __all__ = ["Listen", "header_deadline_protocol", "serve"]
 
