@@ -3,8 +3,9 @@
 ``expect`` refuses destinations that repeat a block, fall outside the destination tensors,
 or whose written part overlaps what a live request writes: two requests writing one block
 would each be reported DONE with the other's bytes in it. A cached prefix (before the first
-block Prefill sends) is only read by the model, and vLLM shares it between requests. One boolean per block and group; a request's blocks are released
-when it settles, once no read can be writing them.
+block Prefill sends) is only read by the model, and vLLM shares it between requests. One
+boolean per block and group; a request's blocks are released when it settles, once no read
+can be writing them.
 """
 
 from __future__ import annotations

@@ -75,6 +75,7 @@ TERMINAL = {_S.DONE: TerminalState.DONE, _S.FAILED: TerminalState.FAILED, _S.ABO
 class RequestRecord:
     ext_id: str
     destinations: Destinations
+    written: Destinations  # what it writes, from its first block on (held while it lives): not a cached prefix
     coverage: Coverage
     started: float
     deadline: float | None
@@ -88,7 +89,6 @@ class RequestRecord:
     reading: bool = False  # a read may be writing its destinations now
     serial: int = 0  # tells this request apart from an earlier one of the same id
     expected_peer: str | None = None  # the only Prefill identity that may announce it
-    written: Destinations | None = None  # the blocks it writes (held while it lives): not a cached prefix
 
     def apply(self, event: ReceiveEvent, error: RD2HError | None = None) -> None:
         new = step(TRANSITIONS, self.state, event, f"request {self.ext_id!r}")

@@ -159,11 +159,11 @@ class ReceiveTracker:
         request = _Request(
             ext_id,
             destinations,
+            written,
             Coverage((first_block, len(destinations.main)), (index_first, len(destinations.indexer))),
             started=now,
             deadline=None if timeout is None else now + timeout,
             expected_peer=expected_peer,
-            written=written,
         )
         self._serials += 1
         request.serial = self._serials
@@ -501,8 +501,7 @@ class ReceiveTracker:
 
     def _holder(self, what: str, block: int) -> str:
         for request in self._requests.values():
-            held = request.written or request.destinations
-            if block in (held.main if what == "main" else held.indexer):
+            if block in (request.written.main if what == "main" else request.written.indexer):
                 return request.ext_id
         return "another request"
 
@@ -514,7 +513,7 @@ class ReceiveTracker:
         if not request.terminal or request.reading:
             return
         del self._requests[request.ext_id]
-        self._held.hold(request.written or request.destinations, False)
+        self._held.hold(request.written, False)
         self._book.settle(Outcome(
             request.ext_id,
             _TERMINAL[request.state],

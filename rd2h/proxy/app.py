@@ -108,7 +108,7 @@ class _Pending:
     recompute: bool = False  # every Decode that posted recomputes a failed load (its policy)
     started: float = field(default_factory=time.monotonic)
     prefill_answered: float | None = None
-    streams: list[tuple[Pool, Instance]] = field(default_factory=list)  # outstanding until the end
+    streams: list[Instance] = field(default_factory=list)  # a streamed answer is outstanding until the end
 
 
 class Proxy:
@@ -142,7 +142,7 @@ class Proxy:
     async def check_health(self) -> None:
         assert self.client is not None
         timeout = max(0.5, min(self.config.health_interval, 2.0))
-        await asyncio.gather(*(pool.check(self.client, timeout, {}) for pool in (self.prefill_pool, self.decode_pool)))
+        await asyncio.gather(*(pool.check(self.client, timeout) for pool in (self.prefill_pool, self.decode_pool)))
 
     async def _check_forever(self) -> None:
         while True:
@@ -164,8 +164,8 @@ class Proxy:
         timeout = httpx.Timeout(self.config.request_timeout, connect=self.config.connect_timeout)
         for attempt in range(self.config.retries + 1):
             # up ones first; when every one is down or tried, still try (a restart is not seen yet)
-            instance = (pool.pick(tried) or pool.pick(tried, include_down=True) or pool.pick()
-                        or pool.instances[attempt % len(pool.instances)])
+            instance = pool.pick(tried) or pool.pick(tried, include_down=True) or pool.pick(include_down=True)
+            assert instance is not None  # a pool has at least one instance
             tried.add(instance.url)
             url = instance.url + path
             request = self.client.build_request("POST", url, json=body, timeout=timeout, headers=pending.headers)
@@ -191,7 +191,7 @@ class Proxy:
                 raise
             instance.served += 1
             if stream:
-                pending.streams.append((pool, instance))
+                pending.streams.append(instance)
             else:
                 instance.outstanding -= 1
             return response
@@ -375,7 +375,7 @@ class Proxy:
 
     def _finish(self, pending: _Pending, status: int, error: str = "", *, kind: str = "") -> None:
         self.pending.pop(pending.rid, None)  # a late rendezvous now gets 404
-        for _pool, instance in pending.streams:
+        for instance in pending.streams:
             instance.outstanding -= 1
         pending.streams.clear()
         pending.record.update(status=status, total_ms=round((time.monotonic() - pending.started) * 1e3, 1))

@@ -11,9 +11,8 @@ to instances that are up; among those, to the one with the fewest requests outst
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,16 +58,6 @@ class Pool:
         self._turn += 1
         return tied[self._turn % len(tied)]
 
-    @contextlib.contextmanager
-    def lease(self, instance: Instance) -> Iterator[Instance]:
-        """Count a request outstanding on ``instance`` while the block runs."""
-        instance.outstanding += 1
-        try:
-            yield instance
-        finally:
-            instance.outstanding -= 1
-            instance.served += 1
-
     def mark_down(self, instance: Instance, why: str) -> None:
         if instance.up:
             log.warning("%s %s is down: %s", self.role, instance.url, why)
@@ -82,14 +71,13 @@ class Pool:
     def any_up(self) -> bool:
         return any(i.up for i in self.instances)
 
-    async def check(self, client: httpx.AsyncClient, timeout: float, headers: dict[str, str]) -> None:
+    async def check(self, client: httpx.AsyncClient, timeout: float) -> None:
         """One health check of every instance, concurrently."""
-        await asyncio.gather(*(self._check_one(client, i, timeout, headers) for i in self.instances))
+        await asyncio.gather(*(self._check_one(client, i, timeout) for i in self.instances))
 
-    async def _check_one(self, client: httpx.AsyncClient, instance: Instance, timeout: float,
-                         headers: dict[str, str]) -> None:
+    async def _check_one(self, client: httpx.AsyncClient, instance: Instance, timeout: float) -> None:
         try:
-            response = await client.get(instance.url + "/health", timeout=timeout, headers=headers)
+            response = await client.get(instance.url + "/health", timeout=timeout)
         except httpx.HTTPError as exc:
             self.mark_down(instance, f"health check: {type(exc).__name__}: {exc}")
             return
