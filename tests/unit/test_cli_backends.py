@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rd2h import plugins
 import rd2h.cli.main as cli
+from rd2h import plugins
 from rd2h.errors import BackendError
 
 RD2H = Path(sys.executable).with_name("rd2h")

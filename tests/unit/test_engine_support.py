@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgpack
 import numpy as np
 import pytest
-
-from dataclasses import dataclass
 
 from rd2h.engine_support import MetadataEnvelope, breaks_session_on_timeout, check_read, check_read_arrays
 from rd2h.errors import PeerGoneError, RegionError, TransferError, TransferTimeout
