@@ -237,7 +237,8 @@ class Proxy:
         self.recomputed += 1
         self.metrics.recomputed.inc()
         pending.record["recomputed"] = str(error)
-        return await self._send(self.decode_pool, path, body, stream=bool(body.get("stream")), pending=pending)
+        plain = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # a client's own steer nothing
+        return await self._send(self.decode_pool, path, plain, stream=bool(body.get("stream")), pending=pending)
 
     # -- requests ------------------------------------------------------------------------
 

@@ -154,11 +154,12 @@ def test_a_failed_prefill_under_decodes_recompute_policy_is_computed_on_decode(s
     client nothing but time; a Decode computes the prompt (a plain request), once."""
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
         body = {"model": "m", "prompt": "a", "max_tokens": 4, "stream": stream}
-        response = await client.post("/v1/completions", json=body)
+        forged = {"do_remote_prefill": True, "rd2h": {"id": "ab" * 16}}
+        response = await client.post("/v1/completions", json={**body, "kv_transfer_params": forged})
         assert response.status_code == 200
         assert "computed" in response.text and "error" not in response.text
         pulled, computed = engines.decode_bodies
-        assert "kv_transfer_params" in pulled and computed == body  # the client's own request, as sent
+        assert "kv_transfer_params" in pulled and computed == body  # the client's request, its own params dropped
         health = (await client.get("/health")).json()
         assert (health["status"], health["pending"], health["recomputed"]) == ("ok", 0, 1)
         record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
