@@ -108,12 +108,17 @@ def test_make_setup_and_ci_use_the_one_list() -> None:
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_setup_checks_the_packages_even_when_the_venv_is_up_to_date() -> None:
     stamp = ".venv/.rd2h-installed"
+    # Under `make test` the parent make's MAKELEVEL/MAKEFLAGS would make this one print
+    # "Entering directory" lines; run it as a user would, from a shell.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
     fresh = subprocess.run(
-        ["make", "-n", "-o", stamp, "setup"], cwd=ROOT, check=False, capture_output=True, text=True
+        ["make", "--no-print-directory", "-n", "-o", stamp, "setup"],
+        cwd=ROOT, env=env, check=False, capture_output=True, text=True,
     )
     assert fresh.stdout.splitlines() == ["bash tools/system-packages.sh"], fresh.stdout + fresh.stderr
     rebuild = subprocess.run(
-        ["make", "-n", "-B", "setup"], cwd=ROOT, check=False, capture_output=True, text=True
+        ["make", "--no-print-directory", "-n", "-B", "setup"],
+        cwd=ROOT, env=env, check=False, capture_output=True, text=True,
     )
     stale = rebuild.stdout.splitlines()
     assert stale[0] == "bash tools/system-packages.sh"  # before anything is built
