@@ -18,7 +18,8 @@ from typing import Any, TextIO
 
 from rd2h.cli.benchmark import CaseResult
 
-__all__ = ["format_case", "headline_ratios", "machine", "plot_cases", "progress_bar", "write_results"]
+__all__ = ["format_case", "headline_ratios", "machine", "plot_cases", "plot_report", "plot_rows", "progress_bar",
+           "write_results"]
 
 _DISTRIBUTIONS = ("rd2h", "numpy", "pyzmq", "rd2h-local", "rd2h-mooncake", "mooncake-transfer-engine-non-cuda",
                   "rd2h-nixl", "nixl-cu12", "nixl", "rd2h-memfabric", "memfabric-hybrid", "matplotlib")
@@ -140,48 +141,36 @@ def write_results(out: Path, report: dict[str, Any]) -> Path:
 
 
 def plot_cases(out: Path, results: Sequence[CaseResult]) -> list[Path]:
-    """``throughput.png`` (GB/s by method, one panel a case) and ``ratios.png`` (each engine
-    to its limit). Returns the files written; none without matplotlib."""
-    try:
-        import matplotlib
+    """``throughput.png`` and ``ratios.png`` of measured cases (see ``plot_rows``)."""
+    return plot_rows(out, [dict(r.to_json(), ratios=headline_ratios(r)) for r in results])
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+
+def plot_rows(out: Path, cases: Sequence[dict[str, Any]]) -> list[Path]:
+    """``throughput.png`` (GB/s by method, one panel a case) and ``ratios.png`` (each engine
+    to its limit, log axis, one panel per layout and block size, goals drawn) from result rows
+    as ``bench.json`` holds them. Returns the files written; none without matplotlib."""
+    try:
+        from rd2h.cli.bench_plots import ratio_figure, throughput_figure
     except ImportError:
         return []
     out.mkdir(parents=True, exist_ok=True)
-    cols = min(4, len(results))
-    rows = -(-len(results) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
-    for ax, r in zip(axes.flat, results):
-        names = list(r.samples)
-        colors = ["0.6" if r.kinds[n] == "limit" else "tab:blue" if n.startswith("local") else "tab:orange"
-                  for n in names]
-        ax.barh(names, [r.median(n) for n in names], color=colors)
-        ax.set_title(r.case["label"], fontsize=9)
-        ax.set_xlabel("GB/s (median)")
-        ax.invert_yaxis()
-        ax.tick_params(labelsize=8)
-    for ax in list(axes.flat)[len(results):]:
-        ax.axis("off")
-    fig.tight_layout()
-    files = [out / "throughput.png"]
-    fig.savefig(files[0], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.28 * sum(len(headline_ratios(r)) for r in results)))
-    labels, values = [], []
-    for r in results:
-        for name, value in headline_ratios(r).items():
-            labels.append(f"{r.case['label']}: {name}")
-            values.append(value)
-    ax.barh(labels, values, color=["tab:green" if v >= 1 else "tab:red" for v in values])
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("same-pass ratio (median)")
-    ax.invert_yaxis()
-    ax.tick_params(labelsize=7)
-    fig.tight_layout()
-    files.append(out / "ratios.png")
-    fig.savefig(files[1], dpi=110)
-    plt.close(fig)
+    files = []
+    for name, draw in (("throughput.png", throughput_figure), ("ratios.png", ratio_figure)):
+        fig = draw(cases)
+        fig.savefig(out / name, dpi=110)
+        files.append(out / name)
     return files
+
+
+def plot_report(report_file: Path, out: Path) -> list[Path]:
+    """Redraw the plots of a recorded ``bench.json`` into ``out``, measuring nothing.
+
+    Raises ValueError naming the file when it is not a bench report."""
+    try:
+        report = json.loads(report_file.read_text())
+        cases = report["cases"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{report_file} is not a readable rd2h bench report (bench.json): {exc!r}") from exc
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and "samples" in c for c in cases):
+        raise ValueError(f"{report_file}: 'cases' is not a list of measured cases")
+    return plot_rows(out, cases)

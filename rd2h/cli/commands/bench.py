@@ -52,6 +52,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "so memfabric is measured on a machine without Ascend")
     parser.add_argument("--out", type=Path, default=Path("rd2h-bench-results"), help="results folder")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--plot-from", type=Path, metavar="BENCH_JSON",
+                        help="measure nothing: redraw the plots of a recorded bench.json into --out")
     parser.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
     return parser
 
@@ -99,6 +101,15 @@ def _reexec_under_kit() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot_from is not None:
+        from rd2h.cli.bench_report import plot_report
+
+        try:
+            plots = plot_report(args.plot_from, args.out)
+        except ValueError as exc:
+            raise SystemExit(f"rd2h bench --plot-from: {exc}") from exc
+        print(", ".join(map(str, plots)) or "no plots: matplotlib is missing (pip install 'rd2h[bench]')")
+        return 0 if plots else 1
     if args.memfabric_kit and not os.environ.get("RD2H_BENCH_UNDER_KIT"):
         _reexec_under_kit()
     from rd2h.cli.bench_report import (
