@@ -15,6 +15,14 @@ Prefill engine listens on a Unix socket in the abstract namespace, named in its 
 The reader keeps its connection for the session's life: its end tells the Prefill to revoke.
 Every call here is bounded: the reader by its deadline, the witness by a short send timeout
 and a poll that wakes at least once a second.
+
+A Decode proves many Prefills at once, some of which may never answer (a busy interpreter,
+or a hostile local process whose socket accepts and stays silent). :class:`ProofLoad` keeps
+that from queueing anyone behind strangers: one process may have only a few proofs waiting
+(more are refused at once), the proofs waiting in all are bounded, and a new one cuts the
+oldest short instead of waiting for it, so a Prefill that answers is proven within its own
+answer time. The reply itself is bounded (``MAX_REPLY_BYTES``, ``MAX_REGIONS``): a proof
+costs Decode a few MiB at most, whatever the peer sends.
 """
 
 from __future__ import annotations
@@ -34,14 +42,22 @@ import msgpack
 from rd2h.errors import ConfigError, TransferError
 from rd2h_local import _sys
 
-__all__ = ["PTRACER_MODES", "TOKEN_BYTES", "Witness", "Proof", "verify"]
+__all__ = ["PTRACER_MODES", "TOKEN_BYTES", "Witness", "Proof", "ProofLoad", "verify"]
 
 PTRACER_MODES = ("peer", "any", "none")
 _MAGIC = b"rd2h-local-proof"
 _VERSION = 1
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LENGTH = struct.Struct(">I")
-_MAX_REPLY = 16 << 20  # the regions of one process; far above any real registration
+# The regions of one process: a real registration is a few hundred regions (vLLM: a
+# tensor or two per layer), ~11 bytes each; 16 MiB cost Decode +565 MB and 6 s to decode.
+MAX_REPLY_BYTES = 1 << 20
+MAX_REGIONS = 1 << 16
+# Proofs one Decode engine waits on at once: a new one past this cuts the oldest short.
+MAX_WAITING = 32
+# Of those, from one process (the pid the kernel names): more are refused at once. A real
+# Prefill process has one witness per engine, and a proof takes milliseconds.
+MAX_WAITING_PER_PROCESS = 4
 _SEND_TIMEOUT = 1.0  # a reader that does not take a few KiB in this long is dropped
 # A connection that has not sent its token in this long is dropped. Generous: the reader
 # sends it right after connecting, but a starved Decode (a loaded 2-core host, a vLLM engine
@@ -236,6 +252,63 @@ class Proof:
         self.sock.close()
 
 
+class _Waiting:
+    __slots__ = ("sock", "pid", "started", "cut_by")
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock, self.pid, self.started, self.cut_by = sock, pid, time.monotonic(), 0
+
+
+class ProofLoad:
+    """The proofs one reading engine waits on, for fairness between the processes proving.
+
+    ``enter`` is called once the kernel named the process at the other end of a proof
+    socket: it refuses a process that already has ``max_per_process`` proofs waiting and,
+    with ``max_waiting`` proofs waiting in all, cuts the oldest short (shuts its socket, so
+    the reader blocked on it fails at once) to make room. Thread-safe; holds no thread.
+    """
+
+    def __init__(self, max_waiting: int = MAX_WAITING, max_per_process: int = MAX_WAITING_PER_PROCESS) -> None:
+        if max_waiting < 1 or max_per_process < 1:
+            raise ConfigError("proof limits must be positive")
+        self.max_waiting, self.max_per_process = max_waiting, max_per_process
+        self._lock = threading.Lock()
+        self._waiting: dict[int, _Waiting] = {}  # id -> entry; insertion order is age
+        self.refused = 0  # proofs refused for their process's count
+        self.cut = 0  # proofs cut short to make room
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def enter(self, sock: socket.socket, pid: int) -> _Waiting:
+        """Start waiting on ``sock`` (connected to process ``pid``). TransferError when that
+        process has its share waiting already."""
+        with self._lock:
+            mine = sum(1 for w in self._waiting.values() if w.pid == pid)
+            if mine >= self.max_per_process:
+                self.refused += 1
+                raise TransferError(
+                    f"process {pid} already has {mine} proofs waiting on this Decode (at most "
+                    f"{self.max_per_process} per process): refused until one ends"
+                )
+            while len(self._waiting) >= self.max_waiting:
+                oldest = self._waiting.pop(next(iter(self._waiting)))
+                oldest.cut_by = len(self._waiting) + 1
+                self.cut += 1
+                try:
+                    oldest.sock.shutdown(socket.SHUT_RDWR)  # its reader's recv returns at once
+                except OSError:
+                    pass
+            waiting = _Waiting(sock, pid)
+            self._waiting[id(waiting)] = waiting
+            return waiting
+
+    def leave(self, waiting: _Waiting) -> None:
+        """The proof ended (before its socket is closed: ``enter`` may shut it until then)."""
+        with self._lock:
+            self._waiting.pop(id(waiting), None)
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     chunks, left = [], n
     while left:
@@ -248,18 +321,39 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def verify(name: str, token: bytes, pid: int, deadline: float) -> Proof:
-    """Connect to the proof socket ``name``, check that process ``pid`` listens there, and
-    present ``token`` (from the metadata) for its registered regions.
+def _regions_of(reply: object, pid: int) -> Regions:
+    if not (isinstance(reply, list) and len(reply) >= 4 and reply[0] == _MAGIC and reply[1] == _VERSION):
+        raise TransferError("the Prefill's proof reply is malformed")
+    refusal, regions = reply[2], reply[3]
+    if refusal is not None:
+        raise TransferError(f"the Prefill (process {pid}) refused this reader: {str(refusal)[:300]}")
+    if not isinstance(regions, list) or not all(
+        isinstance(r, list) and len(r) == 2 and all(type(v) is int and v >= 0 for v in r) for r in regions
+    ):
+        raise TransferError("the Prefill's proof reply carries malformed regions")
+    return [(a, n) for a, n in regions]
 
-    Raises ``TransferError`` when nothing listens there, another process does, the Prefill
-    refuses (with its reason) or does not answer by ``deadline``.
+
+def verify(name: str, token: bytes, pid: int, deadline: float, load: ProofLoad | None = None) -> Proof:
+    """Connect to the proof socket ``name``, check that process ``pid`` listens there, and
+    present ``token`` (from the metadata) for its registered regions. ``load``: the proofs
+    this engine waits on (see :class:`ProofLoad`), None for no limits.
+
+    Raises ``TransferError`` when nothing listens there (or its queue of connections is
+    full), another process does, the Prefill refuses (with its reason), answers more than
+    ``MAX_REPLY_BYTES`` or ``MAX_REGIONS``, does not answer by ``deadline``, or its proof
+    was refused or cut short by ``load``.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    waiting: _Waiting | None = None
     try:
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        sock.setblocking(False)  # a Unix socket connects at once or says its queue is full
         try:
             sock.connect(b"\0" + name.encode())
+        except BlockingIOError:
+            raise TransferError(
+                f"the proof socket {name!r} of process {pid} has a full queue of connections: refused"
+            ) from None
         except OSError as exc:
             raise TransferError(
                 f"nothing answers on the proof socket {name!r} the metadata names ({exc.strerror}): "
@@ -271,33 +365,40 @@ def verify(name: str, token: bytes, pid: int, deadline: float) -> Proof:
                 f"the metadata names process {pid}, but process {owner} answers its proof socket: "
                 "refused (a peer may name only its own memory)"
             )
+        if load is not None:
+            waiting = load.enter(sock, pid)
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             sock.sendall(token)
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused at once (too many readers): its reason is waiting to be read
         (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size, deadline))
-        if size > _MAX_REPLY:
-            raise TransferError(f"the Prefill's proof reply of {size} bytes is too big")
+        if size > MAX_REPLY_BYTES:
+            raise TransferError(
+                f"the Prefill's proof reply of {size} bytes is above {MAX_REPLY_BYTES}: refused unread"
+            )
         try:
-            reply = msgpack.unpackb(_recv_exact(sock, size, deadline), raw=False, use_list=True)
+            reply = msgpack.unpackb(
+                _recv_exact(sock, size, deadline), raw=False, use_list=True, max_array_len=MAX_REGIONS,
+                max_map_len=0, max_ext_len=0, max_str_len=size, max_bin_len=size,
+            )  # fmt: skip
         except (ValueError, msgpack.UnpackException):  # garbage raises several types
-            raise TransferError("the Prefill's proof reply is not msgpack") from None
-        if not (isinstance(reply, list) and len(reply) >= 4 and reply[0] == _MAGIC and reply[1] == _VERSION):
-            raise TransferError("the Prefill's proof reply is malformed")
-        refusal, regions = reply[2], reply[3]
-        if refusal is not None:
-            raise TransferError(f"the Prefill (process {pid}) refused this reader: {str(refusal)[:300]}")
-        if not isinstance(regions, list) or not all(
-            isinstance(r, list) and len(r) == 2 and all(type(v) is int and v >= 0 for v in r) for r in regions
-        ):
-            raise TransferError("the Prefill's proof reply carries malformed regions")
-        return Proof(sock, [(a, n) for a, n in regions])
-    except TimeoutError:
+            raise TransferError(f"the Prefill's proof reply is not msgpack of at most {MAX_REGIONS} regions") from None
+        regions = _regions_of(reply, pid)
+    except BaseException as exc:
+        if load is not None and waiting is not None:
+            load.leave(waiting)  # before the close: until then ``enter`` may shut the socket
         sock.close()
-        raise TransferError(f"the Prefill (process {pid}) did not answer its proof socket in time") from None
-    except OSError as exc:
-        sock.close()
-        raise TransferError(f"proof of process {pid} failed: {exc}") from None
-    except BaseException:
-        sock.close()
+        if waiting is not None and waiting.cut_by and isinstance(exc, (OSError, TransferError)):
+            raise TransferError(
+                f"the proof of process {pid} was cut short after {time.monotonic() - waiting.started:.1f} s: "
+                f"{waiting.cut_by} newer proofs were waiting on this Decode (at most {load.max_waiting if load else MAX_WAITING})"
+            ) from None
+        if isinstance(exc, TimeoutError):
+            raise TransferError(f"the Prefill (process {pid}) did not answer its proof socket in time") from None
+        if isinstance(exc, OSError):
+            raise TransferError(f"proof of process {pid} failed: {exc}") from None
         raise
+    if load is not None and waiting is not None:
+        load.leave(waiting)
+    return Proof(sock, regions)

@@ -152,6 +152,7 @@ class LocalEngine(TransferEngine):
         self._closed = False
         self.ptracer = ptracer
         self._witness: _proof.Witness | None = None  # Prefill: made by the first register
+        self.proofs = _proof.ProofLoad()  # Decode: the proofs connect waits on, kept fair
 
     # -- identity and registration ------------------------------------------------------
 
@@ -203,7 +204,9 @@ class LocalEngine(TransferEngine):
         socket: that it is that process (``SO_PEERCRED``) and that it registered every region
         the blob names. Raises ``TransferError`` for a malformed blob, a peer on another host
         or in another pid namespace, a blob the named process does not prove, or a peer we may
-        not read; ``PeerGoneError`` when it is not running.
+        not read; ``PeerGoneError`` when it is not running. Connects may run at once, fairly:
+        one process has at most a few proofs waiting, and past ``proofs.max_waiting`` a new
+        proof cuts the oldest short (``_proof.ProofLoad``; docs/security.md).
         """
         self._check_open()
         info = _metadata.decode(peer_metadata)
@@ -247,7 +250,8 @@ class LocalEngine(TransferEngine):
                 f"the metadata of process {info.pid} names no proof socket (a Decode-role engine's, or "
                 "an older rd2h-local's): nothing it declares can be believed"
             )
-        proof = _proof.verify(info.proof_socket, info.proof_token, info.pid, time.monotonic() + min(self.timeout, 10.0))
+        deadline = time.monotonic() + min(self.timeout, 10.0)
+        proof = _proof.verify(info.proof_socket, info.proof_token, info.pid, deadline, self.proofs)
         try:
             try:
                 proven = RegionSet(proof.regions)

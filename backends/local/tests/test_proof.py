@@ -16,14 +16,15 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
+from rd2h_local import LocalEngine, _metadata, _proof, _sys
 
 from rd2h.errors import TransferError
 from rd2h.interfaces import Region
 from rd2h.testing.peer import PeerProcess
-from rd2h_local import LocalEngine, _metadata, _sys
 
 I64 = np.int64
 
@@ -220,3 +221,123 @@ def test_the_socket_name_alone_earns_nothing(monkeypatch):
         proof.close()
     finally:
         witness.close()
+
+
+class _Silent:
+    """A proof socket of this process that accepts and answers nothing (or ``reply``)."""
+
+    def __init__(self, reply: bytes = b"") -> None:
+        import socket
+
+        self.name = "rd2h-local.test-" + os.urandom(6).hex()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(b"\0" + self.name.encode())
+        self.sock.listen(64)
+        self.reply, self.conns = reply, []
+        self.accepted = threading.Semaphore(0)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn = self.sock.accept()[0]
+            except OSError:
+                return
+            self.conns.append(conn)
+            if self.reply:
+                threading.Thread(target=self._send, args=(conn,), daemon=True).start()
+            self.accepted.release()
+
+    def _send(self, conn) -> None:
+        try:
+            conn.sendall(self.reply)
+        except OSError:
+            pass
+
+    def blob(self) -> bytes:
+        return _metadata.encode(_metadata.PeerInfo(
+            _sys.boot_id(), _sys.hostname(), _sys.pid_namespace(), os.getpid(), _sys.start_time(os.getpid()),
+            (Region(4096, 4096),), self.name,
+        ))  # fmt: skip
+
+    def close(self) -> None:
+        import socket
+
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def _connect_in_thread(engine: LocalEngine, blob: bytes) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            engine.connect(blob)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def test_a_proof_reply_over_the_bound_is_refused_unread(decode):
+    """Issue 19, item 4: a 16 MiB proof reply cost Decode +565 MB and 6.3 s of a handshake
+    thread. A reply whose length is over MAX_REPLY_BYTES is refused from its 4-byte header,
+    and one under it naming more than MAX_REGIONS regions is refused while decoding."""
+    import msgpack
+
+    engine, _ = decode
+    body = b"\0" * (2 << 20)  # under the old 16 MiB bound
+    silent = _Silent(_proof._LENGTH.pack(len(body)) + body)
+    try:
+        with pytest.raises(TransferError, match=f"above {_proof.MAX_REPLY_BYTES}"):
+            engine.connect(silent.blob())
+    finally:
+        silent.close()
+    many = msgpack.packb((b"rd2h-local-proof", 1, None, [[4096, 1]] * (_proof.MAX_REGIONS + 1)))
+    assert len(many) < _proof.MAX_REPLY_BYTES
+    silent = _Silent(_proof._LENGTH.pack(len(many)) + many)
+    try:
+        with pytest.raises(TransferError, match=f"at most {_proof.MAX_REGIONS} regions"):
+            engine.connect(silent.blob())
+    finally:
+        silent.close()
+
+
+def test_proofs_waiting_are_bounded_per_process_and_in_all(decode):
+    """Issue 19, item 3: one process gets at most ``max_per_process`` proofs waiting (the
+    next is refused at once, not queued), and past ``max_waiting`` a new proof cuts the
+    oldest short instead of waiting behind it: its connect fails at once, naming why."""
+    engine, _ = decode
+    engine.proofs = _proof.ProofLoad(max_waiting=2, max_per_process=3)
+    silent = _Silent()
+    runs = []
+    try:
+        for _ in range(2):
+            runs.append(_connect_in_thread(engine, silent.blob()))
+            assert silent.accepted.acquire(timeout=10)
+        deadline = time.monotonic() + 10
+        while len(engine.proofs) < 2 and time.monotonic() < deadline:  # both entered
+            time.sleep(0.01)
+        third = _connect_in_thread(engine, silent.blob())
+        assert silent.accepted.acquire(timeout=10)
+        runs[0][0].join(5)  # cut short: well before the engine's 30 s bound
+        assert not runs[0][0].is_alive() and "cut short" in str(runs[0][1][0]), runs[0][1]
+        assert engine.proofs.cut == 1 and runs[1][0].is_alive() and third[0].is_alive()
+        engine.proofs.max_waiting = 10
+        deadline = time.monotonic() + 10
+        while len(engine.proofs) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        runs.append(_connect_in_thread(engine, silent.blob()))
+        assert silent.accepted.acquire(timeout=10)
+        refused = _connect_in_thread(engine, silent.blob())  # the fourth of this process
+        refused[0].join(5)
+        assert not refused[0].is_alive() and "already has 3 proofs waiting" in str(refused[1][0]), refused[1]
+    finally:
+        silent.close()
+        for thread, _ in [*runs, third]:
+            thread.join(10)
