@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from rd2h.decode.peer_limits import Oversized
 from rd2h.decode.rank_reads import StepReads
 from rd2h.decode.receive_tracker import Admission, ReceiveTracker
-from rd2h.errors import LayoutError, RD2HError, wire_kind
+from rd2h.errors import ChannelError, LayoutError, ProtocolError, RD2HError, wire_kind
 from rd2h.interfaces import Listener, Session, TransferEngine
 from rd2h.layout.layers import LayerLayout
 from rd2h.layout.planning import LayerPlan, RequestRead
@@ -148,14 +148,19 @@ class LayerReader:
         try:
             if admission.readable:
                 plan, reads, failed = self._plan(identity, batch, admission)
-        except RD2HError as exc:  # a layout mismatch fails the whole layer before any read
+            if plan is not None:
+                read_seconds = self._read(identity, plan, failed)
+                nbytes = self._step_reads.request_bytes(reads, self._block_bytes[batch.layer_name], failed)
+        except Exception as exc:  # noqa: BLE001 - the admitted requests fail, never the loop
+            # a layout mismatch fails the whole layer before any read; anything unforeseen
+            # (a defect) fails it too: the requests it admitted must not stay marked as read
+            if not isinstance(exc, RD2HError):
+                log.exception("rank %d: layer %d could not be read", self.rank, batch.layer_idx)
+                exc = ProtocolError(f"Decode could not read layer {batch.layer_idx}: {type(exc).__name__}: {exc}")
             with self._changed:
                 failures = self._tracker.fail_readable(admission, exc, self._clock())
                 self._answer(identity, batch, admission, failures)
         else:
-            if plan is not None:
-                read_seconds = self._read(identity, plan, failed)
-                nbytes = self._step_reads.request_bytes(reads, self._block_bytes[batch.layer_name], failed)
             with self._changed:
                 failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
                 self._answer(identity, batch, admission, failures)
@@ -192,9 +197,9 @@ class LayerReader:
         """Send a reply; the error if it could not be sent (it never blocks: see the channel)."""
         try:
             self._listener.send(identity, protocol.encode(message))
-        except RD2HError as exc:  # the peer is gone or unreachable
+        except Exception as exc:  # noqa: BLE001 - the peer is gone or unreachable (a channel defect too)
             log.warning("rank %d: could not reply to %r: %s", self.rank, identity, exc)
-            return exc
+            return exc if isinstance(exc, RD2HError) else ChannelError(f"reply not sent: {type(exc).__name__}: {exc}")
         return None
 
     def _plan(

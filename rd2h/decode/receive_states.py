@@ -7,12 +7,16 @@ Per request::
        |                 |                                                   |
        |                 +--(only peers that never confirm)--> DONE <--confirmed--+
        |
-       +--fail/deadline/peer gone/Prefill failed it--> FAILED    +--abort--> ABORTED   (from any)
+       +--fail/deadline/peer gone/Prefill failed it--> FAILED  (from any live state)
+       +--abort--> ABORTED  (from WAITING and RECEIVING; in CONFIRMING an abort changes nothing)
 
 CONFIRMING waits for each contributor that speaks rd2h protocol 4 to say the request ended
 DONE on its side (``settled``): it says so only after it got Decode's reply to the final
 layer, so a Prefill that gave up on a slow Decode never sees that Decode report DONE.
-A terminal state absorbs every later event (the first reason is kept).
+Once that reply said READ_DONE, Prefill reports the request DONE whatever Decode's caller
+does next; an abort then would leave Decode ABORTED against Prefill's DONE, so it is a
+no-op and the request ends as Prefill confirms it. A terminal state absorbs every later
+event (the first reason is kept).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ TRANSITIONS = {
     (_S.RECEIVING, _E.READ_ALL): _S.CONFIRMING,
     (_S.CONFIRMING, _E.CONFIRMED): _S.DONE,
     (_S.CONFIRMING, _E.FAIL): _S.FAILED,
-    (_S.CONFIRMING, _E.ABORT): _S.ABORTED,
+    (_S.CONFIRMING, _E.ABORT): _S.CONFIRMING,  # the final layer was answered READ_DONE: see above
     (_S.RECEIVING, _E.FAIL): _S.FAILED,
     (_S.RECEIVING, _E.ABORT): _S.ABORTED,
     # terminal states absorb whatever is still in flight; the first outcome stands

@@ -168,21 +168,32 @@ class Sink:
             self._changed.notify_all()  # an early readiness may have failed it at once
 
     def abort(self, ext_id: str) -> bool:
-        """Stop writing into ``ext_id``'s destinations; it is still reported, ABORTED.
+        """Stop writing into ``ext_id``'s destinations. Returns at once (it never waits for a
+        read: the vLLM worker calls it on the forward path).
 
-        Returns once no read into them is in flight, so the blocks may be reused at once.
-        False (and nothing reported) for an id not live on this rank.
+        True if ``ext_id`` is live on this rank; it is then reported once, through
+        :meth:`take`/:meth:`wait`: ABORTED once no read is writing its destinations (a read
+        in flight ends first, and its reply tells Prefill the request failed). Once its final
+        layer was answered READ_DONE, Prefill reports it DONE on the strength of that reply:
+        the abort then changes nothing and the request is reported as Prefill confirms it
+        (DONE, or FAILED), so both sides agree. Its destination blocks stay held until its
+        outcome is settled: reuse them, or ``expect`` them for another request, only after
+        collecting it (an ``expect`` before raises DestinationError, "held by live request").
+        False, and nothing reported, for an id not live on this rank.
         """
         with self._changed:
             found = self._tracker.abort(ext_id, self._clock())
-            self._await_idle(ext_id)
+            self._changed.notify_all()
             return found
 
     def fail(self, ext_id: str, error: RD2HError) -> bool:
-        """Fail ``ext_id`` with ``error``; like :meth:`abort`, returns once no read writes it."""
+        """Fail ``ext_id`` with ``error``; returns at once. Like :meth:`abort`, the outcome
+        (FAILED) is settled, and the blocks released, once no read writes them; unlike it, a
+        request whose final layer was answered fails too (Decode FAILED, Prefill DONE: the
+        caller chose to discard bytes that did arrive). False for an id not live here."""
         with self._changed:
             found = self._tracker.fail(ext_id, error, self._clock())
-            self._await_idle(ext_id)
+            self._changed.notify_all()
             return found
 
     def take(self) -> dict[str, Outcome]:
@@ -237,11 +248,6 @@ class Sink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _await_idle(self, ext_id: str) -> None:
-        self._changed.notify_all()
-        while self._tracker.reading(ext_id):  # bounded: the engine bounds every read
-            self._changed.wait(1.0)
 
     # -- loop ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Sink: abort waits out an in-flight read; a failed constructor frees its port."""
+"""Sink: abort returns at once and settles once an in-flight read ended; a failed constructor frees its port."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from layers import layer_tensors
 from rd2h import plugins
 from rd2h.api import KVSink, KVSource, layer_layout
 from rd2h.decode.sink import Sink
+from rd2h.errors import DestinationError, RD2HError
 from rd2h.outcome import TerminalState
 from rd2h.prefill.source import DecodeEndpoint
 
@@ -32,10 +33,14 @@ class _PausingEngine:
         self._inner.read_batch(session, local, remote, lengths)
 
 
-def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -> None:
-    """A read into a request's blocks is in flight when vLLM aborts it: abort() (and a
-    take() on another thread) must wait for the read, since vLLM reuses the blocks
-    as soon as the abort is reported; and Prefill still gets its reply."""
+@pytest.mark.parametrize("how", ["abort", "fail"])
+def test_abort_returns_at_once_and_settles_when_the_read_into_its_blocks_ends(kv_port: int, how: str) -> None:
+    """Issue 19, item 2: a read into a request's blocks is in flight when the caller aborts
+    (or fails) it. The call returns at once (the vLLM worker makes it on the forward path;
+    it used to wait for the read); the request is reported only once the read ended, its
+    blocks stay held until then, and the reply to that read tells Prefill the request
+    failed, so Prefill cannot report DONE what Decode ended (it used to say DONE: this
+    readiness was the request's final layer)."""
     src, dst = {"l": layer_tensors(True)}, {"l": layer_tensors(False)}
     engine = _PausingEngine(plugins.load_engine("local", "decode"))
     listener = plugins.load_channel("zmq").listen(f"tcp://127.0.0.1:{kv_port}")
@@ -45,22 +50,19 @@ def test_abort_returns_only_after_the_read_into_its_blocks_ended(kv_port: int) -
         source.add_request("r", DecodeEndpoint("127.0.0.1", kv_port, 1), main_block_ids=[1], num_tokens=BLOCK)
         source.send_all({"r": BLOCK})
         assert engine.entered.wait(10)
-        aborter = threading.Thread(target=sink.abort, args=("r",))
-        aborter.start()
-        reported: list[dict[str, TerminalState]] = []
-        taker = threading.Thread(target=lambda: reported.append(sink.wait(["r"], 10)))
-        taker.start()
-        # the abort is recorded at once; returning must wait until the read ends
-        with sink._changed:
-            assert sink._changed.wait_for(lambda: sink._tracker.state("r").value == "aborted", 10)
-        assert aborter.is_alive() and taker.is_alive() and reported == []
+        ended = sink.abort("r") if how == "abort" else sink.fail("r", RD2HError("the caller gave up"))
+        assert ended is True and not engine.go.is_set()  # returned while the read is still paused
+        assert sink.take() == {}  # not reported while a read may write its blocks
+        with pytest.raises(DestinationError, match="held by live request 'r'"):
+            sink.expect("s", [5])
         engine.go.set()
-        aborter.join(10)
-        taker.join(10)
-        assert [{e: o.state for e, o in r.items()} for r in reported] == [{"r": TerminalState.ABORTED}]
-        assert dst["l"].main[0][5].any()  # the read finished before the abort was reported
-        result = source.wait_finished(["r"], 10)["r"]  # Prefill got its reply: no timeout
-        assert result.ok
+        outcome = sink.wait(["r"], 10)["r"]
+        assert outcome.state is (TerminalState.ABORTED if how == "abort" else TerminalState.FAILED)
+        assert dst["l"].main[0][5].any()  # the read did finish before the outcome was settled
+        on_prefill = source.wait_finished(["r"], 10)["r"]  # answered, not timed out
+        assert on_prefill.state is TerminalState.FAILED, on_prefill
+        assert "aborted on Decode" in str(on_prefill.error) if how == "abort" else "gave up" in str(on_prefill.error)
+        sink.expect("s", [5])  # released with the outcome
 
 
 def test_failed_sink_constructor_frees_the_port(kv_port: int, monkeypatch: pytest.MonkeyPatch) -> None:

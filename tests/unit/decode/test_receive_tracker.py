@@ -454,6 +454,131 @@ def test_a_failed_read_fails_only_its_requests() -> None:
     assert t.take().keys() == {"a"} and t.state("b") is ReceiveState.RECEIVING
 
 
+# -- issue 19: one guarded entry per message; aborts never wait and never contradict Prefill ----------
+
+
+def test_a_request_named_twice_in_one_readiness_fails_here_as_in_the_reply() -> None:
+    """One entry in range, one beyond: the reply refused the request, but Decode kept it
+    live and marked as being read for ever (the first entry's mark was never cleared), so
+    Sink.abort blocked, the sides disagreed and its blocks stayed held."""
+    t = tracker()
+    t.expect("r", Destinations.of([0, 1]), 0.0)
+    t.expect("n", Destinations.of([2]), 0.0)
+    batch = readiness("l0", [("r", 0, 1), ("n", 0, 1), ("r", 1, 40)])
+    admission = t.on_readiness(PEER, batch, 0.0)
+    assert set(admission.readable) == {"n"} and [e for e, _ in admission.requests] == ["n"]
+    assert not t.reading("r")
+    failures = t.on_read(PEER, batch, admission, {}, {}, 0.0)
+    assert set(failures) == {"r"} and "named twice" in str(failures["r"])
+    outcome = t.take()["r"]
+    assert outcome.state is TerminalState.FAILED and isinstance(outcome.error, ProtocolError)
+    t.expect("s", Destinations.of([0, 1]), 1.0)  # its blocks are free
+    assert t.state("n") is ReceiveState.RECEIVING  # its neighbour was read
+
+
+def test_a_final_signal_named_twice_fails_the_request_and_an_abort_during_that_read_settles() -> None:
+    """``done_ext_ids`` naming a request twice raised StateError out of the tracker: no reply,
+    and a request aborted during that read never settled (its blocks stayed held; expiry
+    skips terminal requests)."""
+    t = tracker(request_timeout=5.0)
+    for ext_id, block in (("r", 0), ("a", 1)):
+        t.expect(ext_id, Destinations.of([block]), 0.0)
+        deliver(t, readiness("l0", [(ext_id, 0, 1)]))
+    batch = readiness("l1", [("r", 0, 1), ("a", 0, 1)], ("r", "a", "r", "a"))
+    admission = t.on_readiness(PEER, batch, 1.0)
+    assert t.abort("a", 1.0) is True and t.take() == {}  # the read may be writing its block
+    failures = t.on_read(PEER, batch, admission, {}, {}, 1.0)
+    assert set(failures) == {"r", "a"}
+    assert "named 2 times" in str(failures["r"]) and "aborted on Decode" in str(failures["a"])
+    outcomes = t.take()
+    assert outcomes["r"].state is TerminalState.FAILED and outcomes["a"].state is TerminalState.ABORTED
+    assert len(t) == 0 and not t._held.main.any()
+
+
+def test_an_abort_during_the_final_read_is_named_failed_in_its_reply() -> None:
+    """The abort landed while the final layer was read: the reply said READ_DONE, Prefill
+    reported DONE and Decode ABORTED."""
+    t = tracker()
+    t.expect("r", Destinations.of([0]), 0.0)
+    deliver(t, readiness("l0", [("r", 0, 1)]))
+    batch = readiness("l1", [("r", 0, 1)], ("r",))
+    admission = t.on_readiness(PEER, batch, 1.0)
+    t.abort("r", 1.0)
+    failures = t.on_read(PEER, batch, admission, {}, {"r": 80}, 1.0)
+    assert isinstance(failures["r"], StateError)
+    outcome = t.take()["r"]
+    assert outcome.state is TerminalState.ABORTED and outcome.nbytes == 80
+
+
+@pytest.mark.parametrize("prefill_says", ["done", "failed"])
+def test_an_abort_after_the_final_layer_was_answered_ends_as_prefill_confirms(prefill_says: str) -> None:
+    """Issue 19, item 5: once READ_DONE answered the final layer, Prefill reports the request
+    DONE on the strength of that reply; an abort then left Decode ABORTED (13 of 114 soak
+    iterations). Now it changes nothing: the request ends as Prefill confirms it, and holds
+    its blocks till then."""
+    t = tracker()
+    t.expect("r", Destinations.of([3]), 0.0)
+    for layer in LAYERS:
+        deliver(t, readiness(layer, [("r", 0, 1)], ("r",) if layer == LAYERS[-1] else ()), confirm=False)
+    assert t.abort("r", 1.0) is True
+    assert t.state("r") is ReceiveState.CONFIRMING and t.take() == {}
+    with pytest.raises(DestinationError):
+        t.expect("s", Destinations.of([3]), 1.0)
+    notice = Settled(("r",)) if prefill_says == "done" else Settled.failure(["r"], StateError("aborted on Prefill"))
+    assert t.on_settled(PEER, notice, 2.0) == ["r"]
+    assert t.take()["r"].state is (TerminalState.DONE if prefill_says == "done" else TerminalState.FAILED)
+
+
+def _broken(*_: object, **__: object) -> None:
+    raise RuntimeError("a defect nobody foresaw")
+
+
+def test_an_exception_while_applying_a_read_fails_what_it_named_and_the_tracker_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    t = tracker()
+    t.expect("a", Destinations.of([0]), 0.0)
+    t.expect("b", Destinations.of([1]), 0.0)
+    t.expect("other", Destinations.of([2]), 0.0)
+    batch = readiness("l0", [("a", 0, 1), ("b", 0, 1), ("ghost", 0, 1)], ("a",))
+    admission = t.on_readiness(PEER, batch, 0.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(t, "_final", _broken)
+        failures = t.on_read(PEER, batch, admission, {}, {}, 0.0)
+    assert set(failures) == {"a", "b", "ghost"} and "RuntimeError" in str(failures["a"])
+    assert {e: o.state for e, o in t.take().items()} == {"a": TerminalState.FAILED, "b": TerminalState.FAILED}
+    assert t.live() == ["other"] and not t.reading("other")
+    assert send_all(t, "other", 1) == {} and t.take()["other"].ok  # the tracker serves on
+
+
+def test_an_exception_while_admitting_a_readiness_fails_only_what_that_peer_may_announce(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    t = ReceiveTracker(layouts())
+    t.peer_admitted(PEER, "p", {"alice"})
+    t.peer_admitted(MALLORY, "m", {"mallory"})
+    t.expect("bound", Destinations.of([1]), 0.0, expected_peer="alice")
+    t.expect("free", Destinations.of([2]), 0.0)
+    batch = readiness("l0", [("bound", 0, 1), ("free", 0, 1)])
+    with monkeypatch.context() as patch:
+        patch.setattr(t, "_why_unreadable", _broken)
+        admission = t.on_readiness(MALLORY, batch, 0.0)
+    assert not admission.readable and set(admission.refused) == {"bound", "free"}
+    assert t.state("bound") is ReceiveState.WAITING  # not Mallory's to fail
+    assert t.take()["free"].state is TerminalState.FAILED
+    assert t.on_read(MALLORY, batch, admission, {}, {}, 0.0).keys() == {"bound", "free"}  # all named in the reply
+
+
+def test_an_exception_while_applying_a_settled_notice_fails_what_it_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = tracker()
+    t.expect("r", Destinations.of([1]), 0.0)
+    deliver(t, readiness("l0", [("r", 0, 1)]))
+    with monkeypatch.context() as patch:
+        patch.setattr(t, "_may_settle", _broken)
+        assert t.on_settled(PEER, Settled.failure(["r", "unknown"], StateError("x")), 1.0) == ["r"]
+    assert isinstance(t.take()["r"].error, ProtocolError)
+
+
 # -- configuration and the main split -------------------------------------------------------------
 
 
@@ -535,17 +660,39 @@ class ReceiveMachine(RuleBasedStateMachine):
         return any(set(written) & set(d.main[first:].tolist()) for d, first in self.live.values())
 
     @rule(data=st.data(), layer=st.sampled_from(LAYERS), member=st.integers(0, 1), final=st.booleans(), fail=st.booleans(),
-          sender=st.sampled_from([PEER, PEER, MALLORY, REFUSED]))
-    def readiness(self, data: st.DataObject, layer: str, member: int, final: bool, fail: bool, sender: bytes) -> None:
+          sender=st.sampled_from([PEER, PEER, MALLORY, REFUSED]), twice=st.sampled_from(["no", "no", "reqs", "finals"]),
+          meanwhile=st.sampled_from(["nothing", "nothing", "abort", "fail"]))
+    def readiness(
+        self, data: st.DataObject, layer: str, member: int, final: bool, fail: bool, sender: bytes, twice: str,
+        meanwhile: str,
+    ) -> None:
+        """A readiness, hostile at times: a request named twice (in the reads or in the final
+        signals, issue 19), a local abort or failure while its read runs."""
         member %= self.ratio
         chosen = data.draw(st.lists(self.ids, max_size=3, unique=True))
         reqs = [(e, data.draw(st.integers(0, 3)), data.draw(st.integers(0, 4))) for e in chosen]
-        batch = readiness(layer, reqs, tuple(chosen) if final else (), member, self.ratio)
+        done = tuple(chosen) if final else ()
+        if twice == "reqs" and reqs:
+            reqs.append((reqs[0][0], data.draw(st.integers(0, 3)), data.draw(st.integers(0, 6))))
+        if twice == "finals" and chosen:
+            done = (*done, chosen[0], chosen[0])
+        batch = readiness(layer, reqs, done, member, self.ratio)
         failed = {e: TransferError("boom") for e in chosen[:1]} if fail else {}
         foreign = {e for e in chosen if e in self.bound and e in self.live and sender != PEER}
         before = {e: self.t.state(e) for e in foreign}
+        readable_first = bool(chosen) and chosen[0] in self.live and chosen[0] not in foreign and sender != REFUSED and (
+            self.t.state(chosen[0]) in (ReceiveState.WAITING, ReceiveState.RECEIVING)
+        )
         admission = self.t.on_readiness(sender, batch, self.now)
         assert not foreign & set(admission.readable)  # never read for another peer
+        ended_during = set()
+        for e in list(admission.readable)[:1] if meanwhile != "nothing" else ():  # a user thread, mid-read
+            if meanwhile == "abort":
+                assert self.t.abort(e, self.now)
+            else:
+                assert self.t.fail(e, RD2HError("local"), self.now)
+            ended_during.add(e)
+            assert e in self.t.live() and self.t.reading(e)  # settles only once the read ended
         _, refused = plan_reads(batch, admission.readable, decode_rank=0, decode_tp=1)
         replied = self.t.on_read(sender, batch, admission, {**refused, **failed}, {}, self.now)
         for e in foreign:  # refused in the reply, and neither poisoned nor advanced
@@ -556,6 +703,10 @@ class ReceiveMachine(RuleBasedStateMachine):
         for e in chosen:  # a request not live is always refused, never silently dropped
             if e not in self.live:
                 assert e in replied
+        for e in ended_during:  # Prefill is told, so it cannot report DONE what Decode ended
+            assert e in replied and e not in self.t.live()
+        if twice != "no" and readable_first:  # named twice: failed in the reply and here alike
+            assert chosen[0] in replied and chosen[0] not in self.t.live(), chosen[0]
         self._sync()
 
     @rule(ext_id=ids, members=st.sampled_from(["one", "all"]), confirm=st.booleans())
@@ -648,6 +799,13 @@ class ReceiveMachine(RuleBasedStateMachine):
                 self.settled.add(ext_id)
 
     @invariant()
+    def no_request_is_left_reading(self) -> None:
+        """Between messages no read is in flight: a flag left set would hold the request (and
+        its blocks) for ever (issue 19: a request named twice in one readiness)."""
+        if hasattr(self, "t"):
+            assert not [e for e in self.t.live() if self.t.reading(e)]
+
+    @invariant()
     def only_live_requests_hold_blocks(self) -> None:
         if hasattr(self, "t"):
             held = sorted(b for d, first in self.live.values() for b in d.main[first:].tolist())  # the written part
@@ -658,6 +816,9 @@ class ReceiveMachine(RuleBasedStateMachine):
         if hasattr(self, "t"):  # every request ends: abort what is live, then all are reported
             for ext_id in list(self.live):
                 self.t.abort(ext_id, self.now)
+            for ext_id in self.t.live():  # answered READ_DONE: an abort changes nothing, Prefill decides
+                assert self.t.state(ext_id) is ReceiveState.CONFIRMING
+                self.t.fail(ext_id, RD2HError("Prefill failed it"), self.now)
             self._sync()
             self.take()
             assert len(self.t) == 0
