@@ -20,9 +20,26 @@ from rd2h.layout.chunking import Chunk, GroupChunks
 from rd2h.prefill.send_states import ANNOUNCED, EndpointState, RequestState
 from rd2h.wire import protocol
 
-__all__ = ["Ids", "RequestRecord", "SentReadiness", "EndpointRecord", "Announcement", "Step", "build_step", "block_ids", "next_chunks", "RequestSlots"]
+__all__ = ["Ids", "Effects", "RequestRecord", "SentReadiness", "EndpointRecord", "Announcement", "Step", "build_step", "block_ids", "next_chunks", "RequestSlots"]
 
 Ids = npt.NDArray[np.int64]
+
+
+@dataclass(slots=True)
+class Effects:
+    """What the caller must do: send ``sends`` in order (``(address, layer_idx, frame)``: an
+    mf_meta is listed with the layer of the readiness it precedes; if a send raises, report
+    ``send_failed`` for that address and layer and skip its remaining frames), drop
+    ``disconnects`` (a silent Decode) and ``forgotten`` (an unused one), and release the slot
+    gate for each ``(layer_idx, address)`` in ``released`` (readiness answered, or no longer
+    awaited). ``ignored``: the counter that absorbed a reply frame (malformed, stray, stale,
+    unknown_failed_ids), for the caller's rate-limited log."""
+
+    sends: list[tuple[str, int, bytes]] = field(default_factory=list)
+    released: list[tuple[int, str]] = field(default_factory=list)
+    disconnects: list[str] = field(default_factory=list)
+    forgotten: list[str] = field(default_factory=list)
+    ignored: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -64,6 +81,8 @@ class EndpointRecord:
     # per layer, its readiness awaiting replies, oldest first: Decode answers one peer in order
     in_flight: dict[int, deque[SentReadiness]] = field(default_factory=dict)
     unacked: int = 0  # mf_meta frames sent (since it was last revived) and not yet acknowledged
+    users: int = 0  # live requests that name it: while any does, it is never forgotten
+    last_used: float = 0.0  # when a request named it, a readiness went out or a reply came
 
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +41,7 @@ from rd2h.errors import (
 from rd2h.layout.chunking import GroupChunks
 from rd2h.layout.topology import Topology
 from rd2h.outcome import Outcome, OutcomeBook, TerminalState
+from rd2h.prefill.endpoint_book import EndpointBook
 from rd2h.prefill.send_states import (
     ANNOUNCED,
     DRAINING,
@@ -56,7 +56,7 @@ from rd2h.prefill.send_states import (
     RequestState,
 )
 from rd2h.prefill.send_steps import (
-    EndpointRecord,
+    Effects,
     RequestRecord,
     RequestSlots,
     SentReadiness,
@@ -75,25 +75,13 @@ __all__ = ["RequestState", "EndpointState", "Step", "Effects", "SendTracker"]
 _RE, _EE = RequestEvent, EndpointEvent
 
 
-@dataclass(slots=True)
-class Effects:
-    """What the caller must do: send ``sends`` in order (``(address, layer_idx, frame)``: an
-    mf_meta is listed with the layer of the readiness it precedes; if a send raises, report
-    ``send_failed`` for that address and layer and skip its remaining frames), drop
-    ``disconnects``, and release the slot gate for each ``(layer_idx, address)`` in
-    ``released`` (readiness answered, or no longer awaited)."""
-
-    sends: list[tuple[str, int, bytes]] = field(default_factory=list)
-    released: list[tuple[int, str]] = field(default_factory=list)
-    disconnects: list[str] = field(default_factory=list)
-
-
 class SendTracker:
     """Every request and Decode endpoint of one Prefill TP rank.
 
     ``layer_block_bytes[i]`` is ``(main, indexer)`` bytes per block of layer ``i`` (for
     :attr:`Outcome.nbytes <rd2h.outcome.Outcome.nbytes>`); ``last_layer`` is the layer
-    whose readiness carries ``done_ext_ids``. Raises ConfigError on bad arguments.
+    whose readiness carries ``done_ext_ids``; ``endpoint_idle_seconds`` and ``max_endpoints``
+    bound the endpoints kept (:mod:`~rd2h.prefill.endpoint_book`). Raises ConfigError on bad arguments.
     """
 
     def __init__(
@@ -107,6 +95,8 @@ class SendTracker:
         block_size: int,
         indexer_block_size: int | None = None,
         reply_timeout: float = 30.0,
+        endpoint_idle_seconds: float = 300.0,
+        max_endpoints: int = 256,
     ) -> None:
         if not 0 <= rank < tp_size:
             raise ConfigError(f"rank {rank} outside 0..{tp_size - 1}")
@@ -124,7 +114,8 @@ class SendTracker:
         self._block_size, self._indexer_block_size = block_size, indexer_block_size
         self._reply_timeout = reply_timeout
         self._requests: dict[str, RequestRecord] = {}
-        self._endpoints: dict[str, EndpointRecord] = {}
+        self._endpoints = EndpointBook(idle_seconds=endpoint_idle_seconds, max_endpoints=max_endpoints,
+                                       grace_seconds=reply_timeout)
         self._book = OutcomeBook()
         self._epoch = 0  # bumped whenever a request drops out of the announced ones
         self._slots = RequestSlots()  # per-request counters: a layer moves them without a loop
@@ -170,7 +161,7 @@ class SendTracker:
         main_ids = block_ids(main_block_ids, "main_block_ids")
         indexer_ids = None if indexer_block_ids is None else block_ids(indexer_block_ids, "indexer_block_ids")
         for address in addresses:
-            endpoint = self._endpoints.setdefault(address, EndpointRecord())
+            endpoint = self._endpoints.named(address, now)
             if endpoint.state is EndpointState.SILENT:
                 endpoint.unacked = 0  # an mf_meta the silent Decode never acknowledged is not waited for
             endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.REVIVE, address)
@@ -261,6 +252,7 @@ class SendTracker:
         effects = Effects()
         for address, ann in targets:
             endpoint = self._endpoints[address]
+            self._endpoints.touch(address, endpoint, now)
             # a SILENT endpoint is named by no announced request (they failed when it fell silent)
             if endpoint.state in NEEDS_META:
                 effects.sends.append((address, layer_idx, self._meta))
@@ -335,9 +327,10 @@ class SendTracker:
         try:
             reply = protocol.decode_reply(frame)
         except Exception:  # any bytes a peer sends: counted, never raised
-            self.counters["malformed"] += 1
-            return effects
+            return self._ignore(effects, "malformed")
         endpoint = self._endpoints.get(address)
+        if endpoint is not None:
+            self._endpoints.touch(address, endpoint, now)
         if isinstance(reply, protocol.Ack):
             self.counters["acks"] += 1
             if endpoint is not None and endpoint.unacked:
@@ -346,12 +339,10 @@ class SendTracker:
                     endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.ACKED, address)
             return effects
         if endpoint is not None and endpoint.state in STALE:
-            self.counters["stale"] += 1
-            return effects
+            return self._ignore(effects, "stale")
         waiting = None if endpoint is None else endpoint.in_flight.get(reply.layer_idx)
         if endpoint is None or not waiting:
-            self.counters["stray"] += 1
-            return effects
+            return self._ignore(effects, "stray")
         sent = waiting.popleft()
         if isinstance(reply, protocol.ReadFailed) and reply.needs_meta:
             endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.META_REQUIRED, address)
@@ -365,7 +356,7 @@ class SendTracker:
         if not waiting:
             del endpoint.in_flight[reply.layer_idx]
         if isinstance(reply, protocol.ReadFailed):
-            self._fail_named(sent, reply, reply.exception(address), now)
+            self._ignore(effects, "unknown_failed_ids", self._fail_named(sent, reply, reply.exception(address), now))
         self._answered(sent, now)
         effects.released.append((sent.layer_idx, address))
         return effects
@@ -389,8 +380,9 @@ class SendTracker:
         return effects
 
     def expire(self, now: float) -> Effects:
-        """Abandon every endpoint whose oldest readiness went unanswered past reply_timeout."""
-        effects = Effects()
+        """Abandon every endpoint whose oldest readiness went unanswered past reply_timeout;
+        forget the unused ones the bounds say (``forgotten``)."""
+        effects = Effects(forgotten=self._endpoints.forget_unused(now))
         for address, endpoint in self._endpoints.items():
             if not endpoint.in_flight:
                 continue
@@ -434,23 +426,35 @@ class SendTracker:
     def live_ids(self) -> frozenset[str]:
         return frozenset(self._requests)
 
+    def endpoints(self) -> int:
+        return len(self._endpoints)  # Decode endpoints known; unused ones are forgotten (bounds)
+
     def has_in_flight(self) -> bool:
         return any(e.in_flight for e in self._endpoints.values())
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _fail_named(self, sent: SentReadiness, reply: protocol.ReadFailed, error: RD2HError, now: float) -> None:
+    def _fail_named(self, sent: SentReadiness, reply: protocol.ReadFailed, error: RD2HError, now: float) -> int:
+        """Fail what the reply names; how many ids it named that the readiness did not."""
         if not reply.failed_ext_ids:
             for request in sent.requests:
                 self._decide(request, _RE.FAIL, error, now)
-            return
+            return 0
         named = {r.ext_id: r for r in sent.requests}
+        unknown = 0
         for ext_id in reply.failed_ext_ids:
             request = named.get(ext_id)
             if request is None:
-                self.counters["unknown_failed_ids"] += 1
+                unknown += 1
             else:
                 self._decide(request, _RE.FAIL, error, now)
+        return unknown
+
+    def _ignore(self, effects: Effects, why: str, count: int = 1) -> Effects:
+        if count:
+            self.counters[why] += count
+            effects.ignored = why
+        return effects
 
     def _answered(self, sent: SentReadiness, now: float) -> None:
         self._slots.unanswered[sent.slots] -= 1
@@ -490,5 +494,7 @@ class SendTracker:
             a for a in request.addresses if (e := self._endpoints.get(a)) is not None and e.state is not EndpointState.NEW
         ]  # a NEW endpoint never heard of this Prefill; a SILENT one is told too (see SettledNotices)
         self._notices.settled(request.ext_id, terminal, request.error, listening)
+        for address in request.addresses:
+            self._endpoints.released(address)
         del self._requests[request.ext_id]
         self._slots.free(request.slot)

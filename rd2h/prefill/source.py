@@ -18,7 +18,10 @@ announced on the caller's thread when the dialer allows it (``Dialer.concurrent_
 A Decode endpoint that does not reply within ``reply_timeout`` (on the injectable
 ``clock``) is abandoned: its slots are released and the requests it held fail with
 ReplyTimeout. Failures belong to the requests
-they hit: the compute path is never handed another request's error.
+they hit: the compute path is never handed another request's error. Endpoints no request
+uses are closed and forgotten after a bound (``endpoint_idle_seconds``, ``max_endpoints``).
+Warnings about what a Decode sends are limited per Decode and reason, with counts
+(:mod:`rd2h.quiet_log`).
 
 Blocking calls (``wait_finished``, ``wait_for_layer_send``, ``close``) bound how long the
 caller's thread blocks in real time; protocol timeouts and outcome times use ``clock``.
@@ -43,6 +46,7 @@ from rd2h.layout.regions import merge_by_device
 from rd2h.outcome import Outcome
 from rd2h.prefill.gate import SlotGate
 from rd2h.prefill.send_tracker import Effects, SendTracker, Step
+from rd2h.quiet_log import QuietLog
 from rd2h.wire import protocol
 from rd2h.wire.endpoint import DecodeEndpoint
 
@@ -66,6 +70,12 @@ class _Task:
 
 _STOP = object()
 _SLOW_SECONDS = 1.0  # a layer that waits longer for the sender thread is logged
+_IGNORED = {  # what the tracker absorbed (its counter) -> what the warning says
+    "malformed": "dropped a malformed reply",
+    "stray": "dropped a reply that answers no readiness in flight (late, duplicate or unknown)",
+    "stale": "dropped a reply to readiness abandoned before the Decode was revived",
+    "unknown_failed_ids": "ignored failed request ids its readiness did not name",
+}
 
 
 def _block_bytes(layout: LayerLayout) -> tuple[int, int]:
@@ -89,7 +99,11 @@ class Source:
     (``wait_for_layer_send``) until every Decode endpoint answered the layer that used them
     last. False where every block stays the request's until it is finished (vLLM's paged
     cache): nothing waits, and a layer may be announced again (next step, other requests)
-    while Decode still reads the previous one. Raises ConfigError on bad arguments.
+    while Decode still reads the previous one. A Decode endpoint that no live request names
+    and that owes no reply is unused: its connection is closed and its record forgotten once
+    unused for ``endpoint_idle_seconds``, or, while more than ``max_endpoints`` are known, least
+    recently used first once unused for ``reply_timeout``; named again, it is dialled again.
+    Raises ConfigError on bad arguments.
     """
 
     def __init__(
@@ -108,6 +122,8 @@ class Source:
         inline_announce: bool = True,
         reuse_slots: bool = True,
         clock: Clock = monotonic,
+        endpoint_idle_seconds: float = 300.0,
+        max_endpoints: int = 256,
     ) -> None:
         if not layers:
             raise ConfigError("a Source needs at least one layer")
@@ -130,8 +146,9 @@ class Source:
             rank=rank, tp_size=tp_size, meta_frame=meta_frame,
             layer_block_bytes=[_block_bytes(layout) for layout in self._layers.values()],
             last_layer=self._index[last], block_size=block_size, indexer_block_size=indexer_block_size,
-            reply_timeout=reply_timeout,
+            reply_timeout=reply_timeout, endpoint_idle_seconds=endpoint_idle_seconds, max_endpoints=max_endpoints,
         )
+        self._quiet = QuietLog(log, clock=clock)  # per Decode and reason: a peer cannot flood the log
         self._lock = threading.Condition()  # guards the tracker; notified when requests settle
         self._gate: SlotGate | None = SlotGate() if reuse_slots else None
         self._step, _ = self._tracker.schedule({}, clock())
@@ -297,6 +314,12 @@ class Source:
             return self._tracker.counters["stray"]
 
     @property
+    def endpoints(self) -> int:
+        """Decode endpoints this rank keeps a record (and a connection) for."""
+        with self._lock:
+            return self._tracker.endpoints()
+
+    @property
     def counters(self) -> dict[str, int]:
         """Remote input absorbed: stray replies, malformed frames, unknown failed ids, acks."""
         with self._lock:
@@ -356,8 +379,9 @@ class Source:
                 else:
                     item = self._dialer.recv(self._poll)
                     if item is not None:
-                        self._feed(self._tracker.on_reply, *item)
+                        self._on_reply(*item)
                 self._expire()
+                self._quiet.flush()  # counts of warnings whose interval ended
             except Exception:  # the loop must outlive any one failure, or every wait times out
                 log.exception("Prefill rank %d: sender error", self.rank)
 
@@ -371,6 +395,14 @@ class Source:
         self._carry_out(effects)
         self._tell(notices)
         return effects
+
+    def _on_reply(self, address: str, frame: bytes) -> None:
+        ignored = self._feed(self._tracker.on_reply, address, frame).ignored
+        if ignored:
+            self._quiet.warning(
+                ignored, address, "Prefill rank %d: %s from Decode %s (%d so far)",
+                self.rank, _IGNORED[ignored], address, self._tracker.counters[ignored],
+            )  # fmt: skip
 
     def _announce(self, task: _Task) -> None:
         waited = time.monotonic() - task.queued
@@ -400,10 +432,12 @@ class Source:
                 self._dialer.send(address, frame)
             except RD2HError as exc:  # this endpoint missed the layer; the others did not
                 failed.add(address)
-                log.error("Prefill rank %d: could not send to %s: %s", self.rank, address, exc)
+                self._quiet.error("send failed", address, "Prefill rank %d: could not send to %s: %s", self.rank, address, exc)
                 self._feed(self._tracker.send_failed, address, layer_idx, exc)
-        for address in effects.disconnects:
+        for address in (*effects.disconnects, *effects.forgotten):
             self._dialer.disconnect(address)
+        if effects.forgotten:
+            log.debug("Prefill rank %d: forgot unused Decode endpoints %s", self.rank, effects.forgotten)
         if self._gate is not None:
             for layer_idx, address in effects.released:
                 self._released(self._gate.replied(layer_idx, address), layer_idx)
@@ -415,15 +449,18 @@ class Source:
             try:
                 self._dialer.send(address, frame)
             except RD2HError as exc:
-                log.warning("Prefill rank %d: could not tell %s how requests ended: %s", self.rank, address, exc)
+                self._quiet.warning(
+                    "notice lost", address, "Prefill rank %d: could not tell %s how requests ended: %s",
+                    self.rank, address, exc,
+                )  # fmt: skip
 
     def _expire(self) -> None:
         effects = self._feed(self._tracker.expire)
         for address in effects.disconnects:
-            log.error(
-                "Prefill rank %d: Decode %s did not reply within %.1f s; abandoning it",
+            self._quiet.error(
+                "silent", address, "Prefill rank %d: Decode %s did not reply within %.1f s; abandoning it",
                 self.rank, address, self._reply_timeout,
-            )
+            )  # fmt: skip
 
     def _slots_sent(self, layer_idx: int, endpoints: Sequence[str]) -> None:
         if self._gate is not None:
@@ -443,5 +480,5 @@ class Source:
                     return
             item = self._dialer.recv(self._poll)
             if item is not None:
-                self._feed(self._tracker.on_reply, *item)
+                self._on_reply(*item)
             self._expire()

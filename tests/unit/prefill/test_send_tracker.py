@@ -487,7 +487,7 @@ class SendTrackerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.t = tracker()
+        self.t = tracker(max_endpoints=2, endpoint_idle_seconds=TIMEOUT + 2)  # endpoints come and go
         self.now = 0.0
         self.added: dict[str, int] = {i: 0 for i in IDS}  # instances added per id
         self.reported: dict[str, int] = {i: 0 for i in IDS}
@@ -590,7 +590,16 @@ class SendTrackerMachine(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([0.5, 2.0, TIMEOUT + 0.1]))
     def time_passes(self, seconds: float) -> None:
         self.now += seconds
-        self.t.expire(self.now)
+        for address in self.t.expire(self.now).forgotten:
+            event("endpoint forgotten")
+            assert self.t.endpoint_state(address) is None and address not in {
+                a for r in self.t._requests.values() for a in r.addresses
+            }, "an endpoint in use was forgotten"
+
+    @invariant()
+    def every_endpoint_in_use_is_known(self) -> None:
+        for request in self.t._requests.values():
+            assert all(self.t.endpoint_state(a) is not None for a in request.addresses)
 
     @rule(ext_id=st.sampled_from(IDS))
     def abort(self, ext_id: str) -> None:
