@@ -33,7 +33,7 @@ class QuietLog:
     """A logger whose warnings are limited per *(reason, peer)*; see the module's docstring.
 
     ``interval`` and ``max_keys`` are the :class:`~rd2h.log_limits.LogLimiter`'s (ValueError
-    when not positive); ``clock`` is read once per call. Thread-safe.
+    when not positive). Thread-safe.
     """
 
     def __init__(
@@ -42,7 +42,7 @@ class QuietLog:
     ) -> None:
         self.logger = logger
         self._limiter = LogLimiter(interval, max_keys)
-        self._clock = clock
+        self.clock = clock  # read once per call; replaceable (a test moves time instead of sleeping)
         self._lock = threading.Lock()
 
     @property
@@ -66,7 +66,7 @@ class QuietLog:
         if not self.logger.isEnabledFor(level):
             return False  # nothing would be written: no need to count either
         with self._lock:
-            now = self._clock()
+            now = self.clock()
             line = self._limiter.hit(reason, peer, now, (level, msg, args))
             due = self._limiter.due(now)
         for pending in due:
@@ -78,7 +78,7 @@ class QuietLog:
     def flush(self) -> int:
         """Write the counts whose interval ran out; how many lines that took."""
         with self._lock:
-            due = self._limiter.due(self._clock())
+            due = self._limiter.due(self.clock())
         for line in due:
             self._write(line)
         return len(due)

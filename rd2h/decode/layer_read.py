@@ -27,6 +27,7 @@ from rd2h.layout.layers import LayerLayout
 from rd2h.layout.planning import LayerPlan, RequestRead
 from rd2h.layout.regions import RegionSet
 from rd2h.layout.step_plans import StepPlans
+from rd2h.quiet_log import quiet
 from rd2h.wire import protocol
 
 __all__ = ["AdmittedPeer", "Counters", "LayerReader", "LayerStat"]
@@ -177,7 +178,7 @@ class LayerReader:
         """Refuse a readiness naming too many ids, per request, without decoding its ids."""
         self.counters.oversized += 1
         error = over.refusal(max_ids)
-        log.warning("rank %d: refused %r: %s", self.rank, identity, error)
+        quiet(log).warning("oversized", (self.rank, identity), "rank %d: refused %r: %s", self.rank, identity, error)
         stub = over.as_batch()
         if stub is None:  # not even its header is valid: nothing to answer
             self.counters.malformed += 1
@@ -198,7 +199,9 @@ class LayerReader:
         try:
             self._listener.send(identity, protocol.encode(message))
         except Exception as exc:  # noqa: BLE001 - the peer is gone or unreachable (a channel defect too)
-            log.warning("rank %d: could not reply to %r: %s", self.rank, identity, exc)
+            quiet(log).warning(
+                "reply not sent", (self.rank, identity), "rank %d: could not reply to %r: %s", self.rank, identity, exc
+            )
             return exc if isinstance(exc, RD2HError) else ChannelError(f"reply not sent: {type(exc).__name__}: {exc}")
         return None
 
@@ -244,7 +247,10 @@ class LayerReader:
         if lost is not None:
             hit = self._tracker.reply_lost(admission, lost, self._clock())
             if hit:
-                log.warning("rank %d: reply lost, failed %d request(s) Prefill will fail too", self.rank, len(hit))
+                quiet(log).warning(
+                    "reply lost", (self.rank, identity), "rank %d: reply lost, failed %d request(s) Prefill will fail too",
+                    self.rank, len(hit),
+                )  # fmt: skip
         self._changed.notify_all()
 
     def _reply(
@@ -252,8 +258,8 @@ class LayerReader:
     ) -> RD2HError | None:
         if not failures:
             return self.send(identity, protocol.ReadDone(batch.layer_idx))
-        log.warning(
-            "rank %d: layer %d failed for %d request(s): %s",
+        quiet(log).warning(
+            "layer failed", (self.rank, identity), "rank %d: layer %d failed for %d request(s): %s",
             self.rank, batch.layer_idx, len(failures), summarize(failures),
         )  # fmt: skip
         return self.send(identity, failed_reply(batch.layer_idx, failures))

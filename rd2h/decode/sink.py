@@ -39,6 +39,7 @@ from rd2h.interfaces import Capability, Listener, Session, TransferEngine
 from rd2h.layout.layers import LayerLayout
 from rd2h.layout.regions import RegionSet, merge_by_device
 from rd2h.outcome import Outcome
+from rd2h.quiet_log import quiet
 from rd2h.wire import protocol
 from rd2h.wire.readiness_decoder import ReadinessDecoder
 
@@ -264,7 +265,10 @@ class Sink:
                     self._handle(*item)
                     took = time.monotonic() - started
                     if took > _SLOW_SECONDS:  # every other peer waited this long
-                        log.warning("rank %d: one message from %r held the loop %.1f s", self.rank, item[0], took)
+                        quiet(log).warning(
+                            "slow message", (self.rank, item[0]), "rank %d: one message from %r held the loop %.1f s",
+                            self.rank, item[0], took,
+                        )  # fmt: skip
                 with self._changed:
                     if self._tracker.expire(self._clock()):
                         self._changed.notify_all()
@@ -287,7 +291,10 @@ class Sink:
             message = self._decoder.decode(frame)
         except ProtocolError as exc:
             self.counters.malformed += 1
-            log.warning("rank %d: dropped a malformed message from %r: %s", self.rank, identity, exc)
+            quiet(log).warning(
+                "malformed", (self.rank, identity), "rank %d: dropped a malformed message from %r: %s",
+                self.rank, identity, exc,
+            )  # fmt: skip
             return
         if isinstance(message, protocol.MfMeta):
             self._on_meta(identity, message)
@@ -321,7 +328,10 @@ class Sink:
             return
         took = time.monotonic() - started
         if took > _SLOW_SECONDS:
-            log.warning("rank %d: connecting to Prefill %s took %.1f s", self.rank, meta.p_session[:80], took)
+            quiet(log).warning(
+                "slow handshake", (self.rank, identity), "rank %d: connecting to Prefill %s took %.1f s",
+                self.rank, meta.p_session[:80], took,
+            )  # fmt: skip
         self._admit(identity, meta, layers, session)
         self._handshake_ended(started)
 
@@ -346,7 +356,10 @@ class Sink:
 
     def _refuse(self, identity: bytes, meta: protocol.MfMeta, exc: RD2HError) -> None:
         # No ACK: every readiness of this peer is answered with this reason instead.
-        log.error("rank %d: refused mf_meta from %s: %s", self.rank, meta.p_session[:80], exc)
+        quiet(log).error(
+            "refused mf_meta", (self.rank, identity), "rank %d: refused mf_meta from %s: %s",
+            self.rank, meta.p_session[:80], exc,
+        )  # fmt: skip
         with self._changed:
             self._tracker.peer_refused(identity, meta.p_session, exc)
         self._forget_all(self._book.admit(identity, None, self._clock(), self._announcing))
@@ -364,7 +377,9 @@ class Sink:
         try:
             self._listener.send(identity, protocol.ACK_FRAME)
         except RD2HError as exc:
-            log.warning("rank %d: could not acknowledge %r: %s", self.rank, identity, exc)
+            quiet(log).warning(
+                "ack not sent", (self.rank, identity), "rank %d: could not acknowledge %r: %s", self.rank, identity, exc
+            )
 
     def _announcing(self, identity: bytes) -> bool:
         with self._changed:
@@ -381,7 +396,10 @@ class Sink:
             with self._changed:
                 hit = self._tracker.peer_gone(identity, PeerGoneError(f"Prefill peer dropped by Decode: {why}"), self._clock())
                 self._changed.notify_all()
-            log.warning("rank %d: dropped peer %r (%s); failed %d request(s)", self.rank, identity, why, len(hit))
+            quiet(log).warning(  # per reason: a flood of identities is one line per interval, with its count
+                "dropped peer", (self.rank, why), "rank %d: dropped peer %r (%s); failed %d request(s)",
+                self.rank, identity, why, len(hit),
+            )  # fmt: skip
 
     def _check_peers(self) -> None:
         """Fail what a dead Prefill announced, and forget the peer (its session, its fds)."""

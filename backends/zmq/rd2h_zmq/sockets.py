@@ -36,6 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from rd2h.errors import ChannelError, FrameTooLargeError, PortInUseError
 from rd2h.interfaces import Dialer, Listener
+from rd2h.quiet_log import quiet
 
 from rd2h_zmq.settings import Settings
 
@@ -120,7 +121,9 @@ def _payload(frames: Sequence[bytes], source: object) -> bytes | None:
     if len(parts) == 1:
         return parts[0]
     if parts:
-        log.warning("dropped a %d-part message from %r: expected one payload frame", len(parts), source)
+        quiet(log).warning(
+            "not one frame", source, "dropped a %d-part message from %r: expected one payload frame", len(parts), source
+        )
     return None
 
 
@@ -210,7 +213,7 @@ class ZmqListener(Listener):
                     continue
                 key = frames[-1].get("User-Id")  # set by the ZAP handler: the client's public key
                 if not isinstance(key, str) or len(key) != _KEY_BYTES:
-                    log.warning("dropped a frame from %r without a CURVE key", routing_id)
+                    quiet(log).warning("no key", routing_id, "dropped a frame from %r without a CURVE key", routing_id)
                     continue
                 return key.encode("ascii") + routing_id, payload
             if time.monotonic() >= deadline:
