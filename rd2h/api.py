@@ -147,6 +147,8 @@ class KVSource(Source):
         inline_announce: bool = True,
         reuse_slots: bool = True,
         clock: Clock = monotonic,
+        endpoint_idle_seconds: float = 300.0,
+        max_endpoints: int = 256,
     ) -> None:
         transfer = plugins.load_engine(engine, "prefill", **dict(engine_options or {}))
         with _closed_on_error(transfer):
@@ -156,6 +158,7 @@ class KVSource(Source):
                     rank=rank, tp_size=tp_size, engine=transfer, dialer=dialer, layers=_layouts(layers),
                     block_size=block_size, last_layer=last_layer, reply_timeout=reply_timeout,
                     indexer_block_size=indexer_block_size, inline_announce=inline_announce,
-                    reuse_slots=reuse_slots, clock=clock,
+                    reuse_slots=reuse_slots, clock=clock, endpoint_idle_seconds=endpoint_idle_seconds,
+                    max_endpoints=max_endpoints,
                 )
         self.start()

@@ -208,10 +208,11 @@ class GateTimeout(RD2HError, TimeoutError):
 
 
 class LayerFailedError(RD2HError):
-    """A layer failed as a whole: a Decode answered a READ_FAILED that names no request (a
-    legacy peer's), or the layer could not be announced. It is the error of each request that
-    layer held, in their outcomes; it is never raised on the compute path, whose storage slot is
-    freed like any other. (A READ_FAILED naming requests fails only those requests.)"""
+    """A layer failed as a whole: a legacy Decode answered a READ_FAILED that names no request
+    and no error class, or the layer could not be announced (its event failed). Prefill fails
+    every request of that readiness with it (in their outcomes) and frees the storage slot like
+    any reply does; it is never raised on the compute path, which goes on with the other
+    requests. A READ_FAILED naming requests fails only those, with the class Decode sent."""
 
 
 class WaitTimeout(RD2HError, TimeoutError):

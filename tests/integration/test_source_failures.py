@@ -219,3 +219,31 @@ def test_without_slot_reuse_a_layer_goes_out_again_while_decode_still_reads_the_
             source.wait_for_layer_send("l0", timeout=0)
         decode.reply(peer, protocol.ReadDone(ready.layer_idx))
         assert source.wait_finished(["a"], 10)["a"].ok
+
+
+def test_issue_19_item_8_a_layer_wide_read_failed_fails_its_requests_and_frees_the_slot(kv_port: int) -> None:
+    """docs/protocol.md section 6 and LayerFailedError say one story: a READ_FAILED that names no
+    request (here a legacy Decode's: no ids, no class) fails every request of that readiness
+    and frees the storage slot; nothing is raised on the compute path, whose next layer on the
+    same slot goes out at once, and a later request is served."""
+    with ScriptedDecode(kv_port) as decode, memory_source(_layers(2, shared=True), ManualClock()) as source:
+        for ext_id, block in (("a", 1), ("b", 2)):
+            source.add_request(ext_id, decode.endpoint, main_block_ids=[block], num_tokens=BLOCK)
+        source.schedule({"a": BLOCK, "b": BLOCK})
+        source.layer_ready("l0")
+        peer, ready = decode.readiness()
+        assert sorted(r.ext_req_id for r in ready.read_reqs) == ["a", "b"]
+        decode.reply(peer, protocol.ReadFailed(0, "legacy: layer failed"))
+        source.wait_for_layer_send("l1", timeout=10)  # the slot is free: no GateTimeout, no error
+        outcomes = source.wait_finished(["a", "b"], 10)
+        assert all(isinstance(o.error, LayerFailedError) and "legacy: layer failed" in str(o.error)
+                   for o in outcomes.values())
+        source.add_request("c", decode.endpoint, main_block_ids=[3], num_tokens=BLOCK)
+        source.schedule({"c": BLOCK})
+        for name in ("l0", "l1"):
+            source.wait_for_layer_send(name, timeout=10)
+            source.layer_ready(name)
+            peer, ready = decode.readiness()
+            assert [r.ext_req_id for r in ready.read_reqs] == ["c"]
+            decode.reply(peer, protocol.ReadDone(ready.layer_idx))
+        assert source.wait_finished(["c"], 10)["c"].ok
