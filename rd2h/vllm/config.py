@@ -10,7 +10,10 @@ Every key is optional::
      "metaserver": null,           # Decode: the proxy's rendezvous URL (required on Decode)
      "metaserver_retries": 5,
      "peer_tp": null,              # the other side's TP size, checked at startup where known
-     "secret_file": null}          # the secret shared with the proxy (default: $RD2H_SECRET)
+     "secret_file": null,          # the secret shared with the proxy (default: $RD2H_SECRET)
+     "handoff_port": null,         # Prefill: vLLM's P/D convention; rank r listens on port + dp*tp + r
+     "hold_timeout": 60.0,         # Prefill: seconds a finished request's blocks wait to be asked for
+     "handoff_timeout": 10.0}      # Decode: seconds every Prefill rank has to answer an ask
 
 Unknown keys are refused, so a misspelt option is an error at startup, not a silent default.
 """
@@ -48,6 +51,9 @@ class ConnectorConfig:
     metaserver_retries: int = 5
     peer_tp: int | None = None
     secret_file: str | None = None
+    handoff_port: int | None = None
+    hold_timeout: float = 60.0
+    handoff_timeout: float = 10.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -69,6 +75,13 @@ class ConnectorConfig:
             raise ConfigError(f"kv_port must be a port number, got {config.kv_port!r}")
         if config.reply_timeout <= 0 or (config.request_timeout is not None and config.request_timeout <= 0):
             raise ConfigError("reply_timeout and request_timeout must be positive")
+        port = config.handoff_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+            raise ConfigError(f"handoff_port must be a port number, got {port!r}")
+        for key in ("hold_timeout", "handoff_timeout"):
+            value = getattr(config, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
         return config
 
     @property

@@ -91,10 +91,11 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.rd2h_config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         consumer, producer = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
         secret = load_secret(self.rd2h_config.secret_file)  # refused at startup, never per request
-        if consumer and not self.rd2h_config.metaserver:
-            raise ConfigError(
-                "a Decode engine (kv_consumer) needs kv_connector_extra_config 'metaserver': the proxy's "
-                "rendezvous URL (http://PROXY/v1/rd2h/rendezvous); a request never names where Decode posts"
+        if consumer and not self.rd2h_config.metaserver:  # it can still serve vLLM's convention
+            log.warning(
+                "rd2h Decode without kv_connector_extra_config 'metaserver': requests from rd2h proxy (which needs "
+                "the proxy's rendezvous URL, http://PROXY/v1/rd2h/rendezvous) are computed here; only vLLM's P/D "
+                "convention (a Prefill with 'handoff_port') is pulled"
             )
         parallel = vllm_config.parallel_config
         tp = int(parallel.tensor_parallel_size)
@@ -111,6 +112,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
                 # a vLLM without the setting fails a failed load
                 load_failure_policy=str(getattr(transfer, "kv_load_failure_policy", "fail")),
+                engine_id=str(getattr(transfer, "engine_id", "") or ""),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

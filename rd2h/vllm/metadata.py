@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - older vLLM: the rendezvous goes out on
 
     WORKER_REPORTS = False
 
-__all__ = ["WORKER_REPORTS", "RecvSpec", "SendBlocks", "SendFinish", "SendSpec", "StepMetadata", "WorkerReport"]
+__all__ = ["WORKER_REPORTS", "HoldSpec", "RecvSpec", "SendBlocks", "SendFinish", "SendSpec", "StepMetadata", "WorkerReport"]
 
 Groups = tuple[tuple[int, ...], ...]  # block ids per KV cache group
 
@@ -70,6 +70,17 @@ class SendFinish:
     aborted: bool
 
 
+@dataclass(frozen=True, slots=True)
+class HoldSpec:
+    """Prefill: vLLM finished ``req_id`` (vLLM's P/D convention, :mod:`rd2h.vllm.handoff`); keep
+    its blocks for ``ext_id`` until a Decode asks for them or the hold expires."""
+
+    ext_id: str
+    req_id: str
+    blocks: Groups  # the prompt's blocks, per KV cache group
+    num_tokens: int
+
+
 @dataclass(frozen=True)
 class StepMetadata(KVConnectorMetadata):
     recv: tuple[RecvSpec, ...] = ()
@@ -80,6 +91,7 @@ class StepMetadata(KVConnectorMetadata):
     send_finish: tuple[SendFinish, ...] = ()
     send_abort: tuple[str, ...] = ()  # ext ids preempted mid-send: stop, never report them
     idle: bool = False  # the step computes nothing: it only waits for transfers to end
+    hold: tuple[HoldSpec, ...] = ()  # finished requests held for a Decode to ask for
 
     @property
     def sends(self) -> bool:

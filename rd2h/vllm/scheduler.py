@@ -20,21 +20,34 @@ Prefill (``kv_producer``): a ``do_remote_decode`` request's source blocks are se
 workers as vLLM allocates them, once per Decode request it serves (one per sample of ``n``), with the prompt tokens cached after each step;
 ``request_finished`` keeps the blocks until the workers report the request finished-sending,
 which they do once every Decode rank replied (also for aborted requests).
+
+vLLM's own P/D convention (its example proxy; :mod:`rd2h.vllm.handoff`): a Prefill asked with
+``do_remote_decode`` and no rd2h fields computes the request, holds its blocks when it
+finishes and returns signed ``kv_transfer_params`` naming its hand-off listener; a Decode
+given those claims the id, and once every worker expects it asks every Prefill rank (instead
+of posting a rendezvous). A hand-off that cannot happen is logged and counted: refused params
+(``refused_params``), a Prefill without ``handoff_port`` (``no_handoff``), an ask refused or
+unanswered (``handoff_failed``: the pull is stopped and vLLM's ``kv_load_failure_policy``
+decides, ``recompute`` computes it here).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rd2h.layout.topology import base_port
 from rd2h.vllm.config import ConnectorConfig
+from rd2h.vllm.handoff import HANDOFF_LEG, Handoff, accept_handoff, ask_fields, ask_urls, handoff_params
 from rd2h.vllm.metadata import (
     WORKER_REPORTS,
     Groups,
+    HoldSpec,
     RecvSpec,
     SendBlocks,
     SendFinish,
@@ -73,6 +86,7 @@ class _Recv:
     # workers that said they expect it, summed over steps: a worker's report may come back
     # with a later step than another's, and a per-step count would then never reach the world
     reported: int = 0
+    handoff: Handoff | None = None  # vLLM's convention: ask these Prefill ranks, post nothing
 
 
 @dataclass
@@ -102,6 +116,8 @@ class RD2HScheduler:
         secret: bytes,
         prefix_caching: bool = True,
         load_failure_policy: str = "fail",
+        engine_id: str = "",
+        asker: Any = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
@@ -112,6 +128,13 @@ class RD2HScheduler:
         self._prefix_caching = prefix_caching  # samples > 0 reuse sample 0's pull through it
         self._load_failure_policy = load_failure_policy  # told to the proxy: it acts on it if Prefill fails
         self.endpoint = DecodeEndpoint(config.advertised, base_port(config.kv_port, dp_rank, tp_size), tp_size)
+        self.engine_id, self.tp_size = engine_id or secrets.token_hex(8), tp_size
+        self.handoff_port = None if config.handoff_port is None else base_port(config.handoff_port, dp_rank, tp_size)
+        self._asker = asker  # Decode's asks to Prefill ranks (vLLM's convention), made on first use
+        self._handoffs: dict[str, Handoff] = {}  # req id -> the hand-off it claimed (Decode)
+        self._asked: dict[str, str] = {}  # ext id -> the req id whose asks are out (Decode)
+        self._used: OrderedDict[str, None] = OrderedDict()  # hand-off ids claimed lately (Decode)
+        self._hold_new: list[HoldSpec] = []  # held at request_finished, for the next step (Prefill)
         self._poster = poster if poster is not None or not consumer else RendezvousPoster(
             retries=config.metaserver_retries
         )
@@ -127,6 +150,7 @@ class RD2HScheduler:
         self.stats = {
             "pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0, "refused_params": 0,
             "samples_from_prefix_cache": 0, "samples_computed_here": 0,
+            "held": 0, "no_handoff": 0, "handoffs": 0, "handoff_failed": 0,
         }  # fmt: skip
 
     # -- Decode --------------------------------------------------------------------------
@@ -134,6 +158,16 @@ class RD2HScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = _params(request)
         if not (self.consumer and params.get("do_remote_prefill")):
+            return 0, False
+        raw = params.get(PARAMS_KEY)
+        if isinstance(raw, Mapping) and raw.get("leg") == HANDOFF_LEG:
+            return self._match_handoff(request, raw, num_computed_tokens)
+        if raw is None:
+            self._refuse(request.request_id, "not signed: do_remote_prefill without rd2h's part (the params of "
+                         "another connector, or a client's own)")  # fmt: skip
+            return 0, False
+        if self.config.metaserver is None:
+            self._refuse(request.request_id, "rd2h proxy fields, but no 'metaserver' is configured to post to")
             return 0, False
         try:
             ext_id, prompt, sample = accept_decode(self._secret, params.get(PARAMS_KEY), request.request_id, self._clock())
@@ -157,6 +191,33 @@ class RD2HScheduler:
         if not self._claim(request.request_id, ext_id):
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def _match_handoff(self, request: Any, raw: Mapping[str, Any], num_computed: int) -> tuple[int | None, bool]:
+        """vLLM's convention: params a Prefill returned (signed by it) name a held request."""
+        req_id, tokens = request.request_id, list(request.prompt_token_ids or ())
+        try:
+            handoff = accept_handoff(
+                self._secret, raw, tokens, self._clock(), block_size=self.block_sizes[0], mode=self.config.mode.value
+            )  # fmt: skip
+        except ValueError as exc:
+            self._refuse(req_id, f"Prefill's hand-off: {exc}")
+            return 0, False
+        holder = self._claims.get(handoff.ext_id)
+        if holder is not None and holder != req_id:
+            # another request (a sample of n, or a copy of the params) pulls this prompt: wait
+            # for it, then vLLM's prefix cache has the blocks; a Prefill sends a hold once
+            return (None, False) if handoff.ext_id not in self._landed else (0, False)
+        if holder is None and handoff.ext_id in self._used:
+            log.info("request %s: hand-off %s was pulled already; computed here (prefix cache)", req_id,
+                     handoff.ext_id)  # fmt: skip
+            return 0, False
+        self._claim(req_id, handoff.ext_id)
+        self._handoffs[req_id] = handoff
+        self._used[handoff.ext_id] = None
+        while len(self._used) > 4096:
+            self._used.popitem(last=False)
+        count = len(tokens) - num_computed
         return (count, True) if count > 0 else (0, False)
 
     def _claim(self, req_id: str, ext_id: str) -> bool:
@@ -197,13 +258,17 @@ class RD2HScheduler:
             "decode_tp": self.endpoint.tp_size, "block_size": self.block_sizes[0], "mode": self.config.mode.value,
             "on_load_failure": self._load_failure_policy,
         }  # fmt: skip
-        self._recv[request.request_id] = _Recv(ext_id, body)
+        handoff = self._handoffs.get(request.request_id)
+        if handoff is not None:  # asked from Prefill's ranks, signed when the asks go out
+            body = {"endpoint": str(self.endpoint), "first_block": first_block, "num_tokens": num_tokens}
+        self._recv[request.request_id] = _Recv(ext_id, body, handoff=handoff)
         self.stats["pulled_tokens"] += num_external_tokens
         self.stats["prefix_hit_tokens"] += local
         # consumed: a second allocation for this request (after the load) must not pull again
         request.kv_transfer_params = {**params, "do_remote_prefill": False}
 
     def update_connector_output(self, output: Any) -> None:
+        self._handoff_results()
         report = getattr(output, "kv_connector_worker_meta", None)
         expected = report.expected if isinstance(report, WorkerReport) else {}
         for req_id in list(output.finished_recving or ()):
@@ -216,7 +281,38 @@ class RD2HScheduler:
             recv.reported += expected.get(recv.ext_id, 0)
             if recv.reported >= self.world_size or (not WORKER_REPORTS and recv.sent_to_workers):
                 recv.posted = True
-                self._post(recv)
+                self._ask(recv) if recv.handoff is not None else self._post(recv)
+
+    def _ask(self, recv: _Recv) -> None:
+        """vLLM's convention: every Prefill rank is asked to announce the held request here."""
+        assert recv.handoff is not None
+        if self._asker is None:
+            from rd2h.vllm.handoff_net import HandoffAsker
+
+            self._asker = HandoffAsker(timeout=self.config.handoff_timeout)
+        self.stats["handoffs"] += 1
+        body = recv.body
+        fields = ask_fields(self._secret, recv.ext_id, body["endpoint"], body["first_block"], body["num_tokens"],
+                            self._clock())  # fmt: skip
+        self._asked[recv.ext_id] = self._claims[recv.ext_id]
+        self._asker.submit(recv.ext_id, ask_urls(recv.handoff), fields)
+
+    def _handoff_results(self) -> None:
+        """A hand-off that cannot happen stops the pull: the workers report the request failed,
+        and vLLM's kv_load_failure_policy recomputes it here (``recompute``) or fails it."""
+        if self._asker is None:
+            return
+        for ext_id, error in self._asker.results():
+            req_id = self._asked.pop(ext_id, None)
+            if error is None or req_id is None or req_id not in self._recv:
+                continue
+            self.stats["handoff_failed"] += 1
+            log.warning(
+                "request %s: the KV of hand-off %s cannot be pulled (%s); its pull is stopped and vLLM's "
+                "kv_load_failure_policy (%s) applies (%d such hand-offs so far)",
+                req_id, ext_id, error, self._load_failure_policy, self.stats["handoff_failed"],
+            )  # fmt: skip
+            self._recv_abort.append(ext_id)
 
     def _post(self, recv: _Recv) -> None:
         if self.config.metaserver is None:  # refused at startup; kept for unit-built schedulers
@@ -245,6 +341,7 @@ class RD2HScheduler:
         self._sending.update((t.ext_id, req_id) for t in targets)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
+        self._handoff_results()  # a failed hand-off's abort goes out with this step
         send_new: list[SendSpec] = []
         send_blocks: list[SendBlocks] = []
         computed: list[tuple[str, int]] = []
@@ -288,8 +385,9 @@ class RD2HScheduler:
             recv=tuple(self._recv_new), recv_abort=tuple(self._recv_abort), send_new=tuple(send_new),
             send_blocks=tuple(send_blocks), computed=tuple(computed), send_finish=tuple(self._send_finish),
             send_abort=tuple(send_abort), idle=not scheduler_output.total_num_scheduled_tokens,
+            hold=tuple(self._hold_new),
         )
-        self._recv_new, self._recv_abort, self._send_finish = [], [], []
+        self._recv_new, self._recv_abort, self._send_finish, self._hold_new = [], [], [], []
         return meta
 
     @staticmethod
@@ -306,14 +404,22 @@ class RD2HScheduler:
         if claimed is not None:
             del self._claims[claimed]
             self._landed.discard(claimed)
+        self._handoffs.pop(req_id, None)
         recv = self._recv.pop(req_id, None)
         if recv is not None:  # finished while its KV was awaited: stop the pull
-            if not recv.posted and self._poster is not None:
+            if recv.handoff is not None:
+                self._asked.pop(recv.ext_id, None)
+                if self._asker is not None:
+                    self._asker.cancel(recv.ext_id)
+            elif not recv.posted and self._poster is not None:
                 self._poster.cancel(recv.ext_id)
             self._recv_abort.append(recv.ext_id)
             # vLLM itself holds the blocks of a WAITING_FOR_REMOTE_KVS request until the
             # workers report it finished-receiving, which they do once the pull stopped.
             return False, None
+        params = _params(request)
+        if self.producer and params.get("do_remote_decode") and PARAMS_KEY not in params:
+            return self._hold(request, block_ids)
         send = self._send.pop(req_id, None)
         if send is None:
             return False, None
@@ -325,9 +431,42 @@ class RD2HScheduler:
         self._send_finish += [SendFinish(t.ext_id, req_id, aborted) for t in send.targets]
         return True, None
 
+    def _hold(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's convention on Prefill: keep a finished request's blocks for a Decode to ask for,
+        and return the signed params that say where (``handoff_params``)."""
+        req_id, tokens = request.request_id, list(request.prompt_token_ids or ())
+        status = getattr(getattr(request, "status", None), "name", str(getattr(request, "status", "")))
+        if status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
+            return False, None  # aborted or refused: nobody will ask for it
+        if self.handoff_port is None:
+            self.stats["no_handoff"] += 1
+            log.warning(
+                "request %s asks for a remote Decode (do_remote_decode) without rd2h's proxy fields: vLLM's "
+                "P/D convention needs kv_connector_extra_config 'handoff_port' on this Prefill; no KV is handed "
+                "off and its Decode computes the prompt again (%d such requests so far)",
+                req_id, self.stats["no_handoff"],
+            )  # fmt: skip
+            return False, None
+        groups = tuple(g[: _blocks_for(len(tokens), size)] for g, size in zip(_groups(block_ids), self.block_sizes))
+        if not tokens or any(len(g) < _blocks_for(len(tokens), size) for g, size in zip(groups, self.block_sizes)):
+            log.error("request %s: %d prompt tokens but blocks %s: nothing to hand off", req_id, len(tokens),
+                      [len(g) for g in groups])  # fmt: skip
+            return False, None
+        ext_id = secrets.token_hex(16)  # unguessable: a copy of someone else's params is all that finds it
+        self._hold_new.append(HoldSpec(ext_id, req_id, groups, len(tokens)))
+        self.stats["held"] += 1
+        return True, handoff_params(
+            self._secret, ext_id=ext_id, engine_id=self.engine_id, host=self.config.advertised,
+            port=self.handoff_port, tp=self.tp_size, token_ids=tokens, blocks=groups,
+            block_size=self.block_sizes[0], mode=self.config.mode.value, now=self._clock(),
+            ttl=self.config.hold_timeout,
+        )  # fmt: skip
+
     def shutdown(self) -> None:
         if self._poster is not None:
             self._poster.close()
+        if self._asker is not None:
+            self._asker.close()
 
 
 def _params(request: Any) -> Mapping[str, Any]:

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - older vLLM, or none: the same shape, n
 __all__ = ["LOCAL_REASONS", "RD2HPromMetrics", "RD2HStats", "SchedulerTally", "WorkerTally", "build_prom_metrics"]
 
 # the scheduler's stats keys that count a request (or sample) computed here instead of pulled
-LOCAL_REASONS = ("refused_params", "samples_computed_here")
+LOCAL_REASONS = ("refused_params", "samples_computed_here", "no_handoff", "handoff_failed")
 _MAX_EVENTS = 1 << 14  # observations awaiting the next take (vLLM takes each step); past it the oldest go
 
 
@@ -157,6 +157,10 @@ class WorkerTally:
     def pull_failed(self, error: BaseException | None) -> None:
         _count(self._stats.data["pull_failures"], _kind(error))
 
+    def local(self, reason: str) -> None:
+        """A request this rank did not transfer (e.g. ``hold_expired``: nobody asked for it)."""
+        _count(self._stats.data["local"], reason)
+
     def sent(self, outcome: Outcome) -> None:
         """Prefill: a request's send ended on this rank."""
         if outcome.ok:
@@ -223,8 +227,10 @@ _BY_LABEL = (
         "reason",
         "vllm:rd2h_local_recomputes",
         "Requests (or samples) computed here instead of "
-        "transferred: refused_params (unsigned, stale or replayed rd2h fields), samples_computed_here (n > 1 "
-        "on a Decode without prefix caching).",
+        "transferred: refused_params (unsigned, altered, stale or replayed rd2h fields), samples_computed_here "
+        "(n > 1 on a Decode without prefix caching), no_handoff (vLLM's P/D convention asked of a Prefill without "
+        "handoff_port), handoff_failed (Decode: a Prefill refused or did not answer the ask), hold_expired "
+        "(Prefill, per TP rank: held blocks nobody asked for in time, freed).",
     ),
 )
 _HISTOGRAMS = (

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -123,6 +124,7 @@ class RD2HWorker:
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self.tally = WorkerTally()  # what vLLM's get_kv_connector_stats reports
+        self.handoff: Any = None  # Prefill with handoff_port: HandoffListener (vLLM's P/D convention)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -155,6 +157,14 @@ class RD2HWorker:
                 reuse_slots=False,  # a block is the request's until finished-sending: nothing waits
                 **extra,
             )  # fmt: skip
+            if cfg.handoff_port is not None:
+                from rd2h.layout.topology import base_port
+                from rd2h.vllm.handoff import HoldTable
+                from rd2h.vllm.handoff_net import HandoffListener
+                from rd2h.vllm.vouch import load_secret
+
+                port = base_port(cfg.handoff_port, self.dp_rank, self.tp_size) + self.rank
+                self.handoff = HandoffListener(HoldTable(), load_secret(cfg.secret_file), cfg.host, port)
         log.info(
             "rd2h worker rank %d/%d: %d layers, mode %s, %s", self.rank, self.tp_size, len(layouts),
             cfg.mode.value, "decode" if self.consumer else "prefill",
@@ -171,6 +181,46 @@ class RD2HWorker:
             self._apply_recv(meta)
         if self.source is not None:
             self._apply_send(meta)
+        self._apply_holds(meta)
+
+    def _apply_holds(self, meta: StepMetadata) -> None:
+        """vLLM's convention: finished requests whose blocks wait for a Decode's ask."""
+        from rd2h.vllm.handoff import Held
+
+        deadline = time.monotonic() + self.config.hold_timeout
+        for spec in meta.hold:
+            if self.handoff is None:  # the scheduler holds only with handoff_port: never here
+                self._finished_sending.add(spec.req_id)
+                continue
+            self.handoff.table.hold(Held(spec.ext_id, spec.req_id, spec.blocks, spec.num_tokens, deadline))
+
+    def _serve_handoffs(self) -> None:
+        """Announce every layer of the held requests a Decode asked for (their KV is written:
+        vLLM finished them); free those nobody asked for within hold_timeout."""
+        table = self.handoff.table
+        for held in table.expire(time.monotonic()):
+            self.tally.local("hold_expired")
+            log.warning("Prefill rank %d: request %s (%s) was held %g s and nobody asked for it; its blocks are "
+                        "freed (%d so far)", self.rank, held.req_id, held.ext_id, self.config.hold_timeout,
+                        table.counts["expired"])  # fmt: skip
+            self._finished_sending.add(held.req_id)
+        computed = {}
+        for held, ask in table.take_claimed():
+            self._send_exts.setdefault(held.req_id, set()).add(held.ext_id)
+            self._send_req[held.ext_id] = held.req_id
+            self._finishing.add((held.ext_id, held.req_id))  # vLLM finished it: report it once sent
+            try:
+                self.source.add_request(
+                    held.ext_id, ask.endpoint, main_block_ids=held.blocks[0], indexer_block_ids=self._indexer(held.blocks),
+                    num_tokens=held.num_tokens, first_block=ask.first_block,
+                )  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - this request's problem, never the engine's
+                self._send_refused(held.ext_id, held.req_id, exc)
+                continue
+            computed[held.ext_id] = held.num_tokens
+        if computed:  # after this step's forward: nothing else is being announced now
+            for ext_id, error in self.source.send_all(computed).items():
+                log.error("Prefill rank %d: held %s not announced: %s", self.rank, ext_id, error)
 
     def _apply_recv(self, meta: StepMetadata) -> None:
         # aborts first: vLLM freed an aborted request's blocks at once and may have given them
@@ -300,6 +350,8 @@ class RD2HWorker:
                     self._load_errors.update(blocks)
                 self._finished_recving.add(req_id)
         if self.source is not None:
+            if self.handoff is not None:
+                self._serve_handoffs()
             for ext_id, outcome in self._take_sent().items():
                 self.tally.sent(outcome)
                 if ext_id in self._forget:  # preempted: vLLM owns its blocks again
@@ -341,6 +393,8 @@ class RD2HWorker:
             self.sink.wait_any(IDLE_WAIT_SECONDS)
         elif self.source is not None and self._finishing:
             self.source.wait_any(IDLE_WAIT_SECONDS)
+        elif self.handoff is not None and len(self.handoff.table):  # held: an ask may come
+            self.handoff.table.wait(IDLE_WAIT_SECONDS)
 
     def _take_sent(self) -> dict[str, Outcome]:
         take = getattr(self.source, "take", None) or self.source.take_finished
@@ -357,6 +411,8 @@ class RD2HWorker:
         return report
 
     def close(self) -> None:
+        if self.handoff is not None:
+            self.handoff.close()
         for runtime in (self.source, self.sink):
             if runtime is not None:
                 runtime.close()
