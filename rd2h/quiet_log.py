@@ -67,7 +67,10 @@ class QuietLog:
             return False  # nothing would be written: no need to count either
         with self._lock:
             now = self.clock()
-            line = self._limiter.hit(reason, peer, now, (level, msg, args))
+            # an exception is kept as its text: its traceback holds the frames of the call that
+            # failed, and those a peer's message (up to 16 MiB), for as long as the key lives
+            kept = tuple(str(a) if isinstance(a, BaseException) else a for a in args)
+            line = self._limiter.hit(reason, peer, now, (level, msg, kept))
             due = self._limiter.due(now)
         for pending in due:
             self._write(pending)

@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 from rd2h.clock import Clock, monotonic
-from rd2h.decode.admission import Admissions, Handshake
+from rd2h.decode.admission import Admissions, Handshake, bare
 from rd2h.decode.layer_read import AdmittedPeer, Counters, LayerReader, LayerStat
-from rd2h.decode.peer_limits import PeerBook, PeerLimits, oversized_readiness
+from rd2h.decode.peer_limits import PeerBook, PeerLimits, oversized_readiness, oversized_settled
 from rd2h.decode.rank_reads import Destinations, MainSplit
 from rd2h.decode.receive_tracker import ReceiveTracker
 from rd2h.errors import ChannelError, PeerGoneError, ProtocolError, RD2HError, WaitTimeout
@@ -287,6 +287,14 @@ class Sink:
         if over is not None:  # refused before decoding: decoding costs ~28 bytes per id
             self._reader.refuse_oversized(identity, over, self._book.limits.max_ids_per_message)
             return
+        settled_ids = oversized_settled(frame, self._book.limits.max_ids_per_message)
+        if settled_ids is not None:  # the same cap on every message; never answered, so dropped
+            self.counters.oversized += 1
+            quiet(log).warning(
+                "oversized", (self.rank, identity), "rank %d: dropped a settled from %r naming %d ids, above "
+                "max_ids_per_message=%d", self.rank, identity, settled_ids, self._book.limits.max_ids_per_message,
+            )  # fmt: skip
+            return
         try:
             message = self._decoder.decode(frame)
         except ProtocolError as exc:
@@ -341,8 +349,10 @@ class Sink:
             observe(time.monotonic() - started)
 
     def _finish_handshakes(self) -> None:
-        for identity, handshake in self._admissions.finished():
-            self._finish_handshake(identity, handshake)
+        finished = self._admissions.finished()
+        while finished:  # popped: a handled handshake's frames are freed before memory is given back
+            self._finish_handshake(*finished.pop(0))
+        self._admissions.give_back()
 
     def _finish_handshake(self, identity: bytes, handshake: Handshake) -> None:
         result = handshake.result()
@@ -351,8 +361,14 @@ class Sink:
         else:
             self._admit(identity, handshake.meta, handshake.layers, result)
         self._handshake_ended(handshake.started)
-        for frame in handshake.held:  # in the order they came; another mf_meta holds the rest again
-            self._handle(identity, frame)
+        if handshake.dropped:
+            quiet(log).warning(
+                "held frames dropped", (self.rank, identity), "rank %d: %d frame(s) of %r dropped while its "
+                "handshake ran (beyond its share of what handshakes may hold)", self.rank, handshake.dropped, identity,
+            )  # fmt: skip
+        held, handshake.held = handshake.held, []  # nothing keeps them once handled
+        while held:  # in the order they came; another mf_meta holds the rest again
+            self._handle(identity, held.pop(0))
 
     def _refuse(self, identity: bytes, meta: protocol.MfMeta, exc: RD2HError) -> None:
         # No ACK: every readiness of this peer is answered with this reason instead.
@@ -360,8 +376,8 @@ class Sink:
             "refused mf_meta", (self.rank, identity), "rank %d: refused mf_meta from %s: %s",
             self.rank, meta.p_session[:80], exc,
         )  # fmt: skip
-        with self._changed:
-            self._tracker.peer_refused(identity, meta.p_session, exc)
+        with self._changed:  # kept bare: a traceback would keep the refused peer's frames alive
+            self._tracker.peer_refused(identity, meta.p_session[:256], bare(exc))  # kept: bounded
         self._forget_all(self._book.admit(identity, None, self._clock(), self._announcing))
 
     def _admit(self, identity: bytes, meta: protocol.MfMeta, layers: dict[str, LayerLayout], session: Session) -> None:
