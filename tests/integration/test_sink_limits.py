@@ -270,3 +270,23 @@ def test_a_thousand_handshakes_under_a_256_fd_limit() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     fds = int(done.stdout.split("fds")[-1])
     assert fds < 200, f"{fds} fds open after 1,000 handshakes"
+
+
+@pytest.mark.parametrize("world", [dict(max_ids_per_message=1000)], indirect=True, ids=["limits"])
+def test_every_message_has_the_id_cap(world: World) -> None:
+    """Issue 19, item 4: a settled's id lists were decoded whatever their size (5M ids in a
+    10 MB frame: +108 MB on Decode), and a readiness's request entries and final ids were not
+    counted. Now each is counted before decoding: a settled over the cap is dropped and
+    counted (it is never answered), a readiness over it is refused whole; the peer goes on."""
+    sock = world.dealer()
+    world.handshake(sock)
+    world.sink.expect("r", [3])
+    sock.send(protocol.encode(protocol.Settled((), tuple(f"x{i}" for i in range(1001)), "boom", "TransferError")))
+    entries = tuple(protocol.ReadRequest(f"e{i}", (), (), 0, 0) for i in range(1001))
+    reply = world.ready(sock, protocol.encode(protocol.ReadReadyBatch(0, "l0", entries, ())))
+    assert isinstance(reply, protocol.ReadFailed) and reply.all_failed and "1001 requests" in reply.error, reply
+    assert world.sink.counters.oversized == 2  # the settled first (frames are handled in order)
+    reqs = (protocol.ReadRequest("r", (1,), (1,), 0, 0),)
+    assert isinstance(world.ready(sock, protocol.encode(protocol.ReadReadyBatch(0, "l0", reqs, ()))), protocol.ReadDone)
+    assert isinstance(world.ready(sock, protocol.encode(protocol.ReadReadyBatch(1, "l1", reqs, ("r",)))), protocol.ReadDone)
+    assert world.sink.wait(["r"], 10)["r"].state is TerminalState.DONE
