@@ -7,7 +7,8 @@ operators, its own listener): ``POST /v1/rd2h/rendezvous`` (the metaserver: only
 signed with the secret the proxy shares with the engines is heard; 404 for an id it does
 not wait for), ``GET /v1/rd2h/requests`` (the latest requests, only with ``Authorization:
 Bearer <token>``, see :func:`rd2h.vllm.vouch.token`), ``GET /metrics`` (Prometheus),
-``GET /health`` (every instance's state).
+``GET /health`` (every instance's state; 200 once a warm Prefill and Decode are in rotation,
+see :mod:`rd2h.proxy.warmup`).
 
 Both legs carry rd2h's fields signed (:mod:`rd2h.vllm.params`): one client request becomes
 ``prompts x samples`` Decode requests, each with an id of its own, of which sample 0 of each
@@ -47,13 +48,15 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, shape_of
+from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
 from rd2h.proxy.instances import Instance, Pool
 from rd2h.proxy.metrics import ProxyMetrics
+from rd2h.proxy.readiness import note_readiness
+from rd2h.proxy.warmup import PairTable, warm_up_pairs
 from rd2h.vllm.params import decode_fields, prefill_fields
 from rd2h.vllm.vouch import VouchError, token, verify
 
-__all__ = ["Proxy", "ProxyConfig", "read_limited"]
+__all__ = ["Proxy", "ProxyConfig"]
 
 log = logging.getLogger("rd2h.proxy")
 
@@ -73,7 +76,14 @@ class ProxyConfig:
     backoff: float = 0.2
     max_body_bytes: int = 16 << 20  # a client body past this is refused with 413 before it is parsed
     body_timeout: float = 10.0  # a client body must arrive within this (a slow body holds no task longer)
-    health_interval: float = 2.0  # seconds between health checks of every instance (0: none)
+    health_interval: float = 2.0  # seconds between health checks of every instance (0: none, no warm-up)
+    warmup: bool = True  # one P/D request through each pair before it is in rotation (rd2h.proxy.warmup)
+    warmup_timeout: float = 120.0  # a warm-up request's bound
+
+    @property
+    def warms_up(self) -> bool:
+        """Warm-up follows the health checks: without checks, instances are in rotation from the start."""
+        return self.warmup and self.health_interval > 0
 
 
 class EngineError(Exception):
@@ -109,20 +119,26 @@ class _Pending:
     started: float = field(default_factory=time.monotonic)
     prefill_answered: float | None = None
     streams: list[Instance] = field(default_factory=list)  # a streamed answer is outstanding until the end
+    pinned: dict[str, Instance] = field(default_factory=dict)  # role -> the only instance to use (warm-up)
+    warmup: bool = False  # the proxy's own request: no client metrics
 
 
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefill_pool = Pool("prefill", config.prefill)
-        self.decode_pool = Pool("decode", config.decode)
+        self.prefill_pool = Pool("prefill", config.prefill, warm_up=config.warms_up)
+        self.decode_pool = Pool("decode", config.decode, warm_up=config.warms_up)
+        self.warmth = PairTable(retry_after=config.health_interval)
+        self.was_ready = False
         self.pending: dict[str, _Pending] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=256)
         self.recomputed = 0  # requests whose Prefill failed, served by a Decode computing the prompt
         self.metrics = ProxyMetrics(lambda: (self.prefill_pool, self.decode_pool))
+        self.metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
         self.client: httpx.AsyncClient | None = None
         self.draining = False
         self._checks: asyncio.Task[None] | None = None
+        self._warming: asyncio.Task[None] | None = None
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -130,11 +146,14 @@ class Proxy:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(limits=limits)
         if self.config.health_interval > 0:
+            log.info("rd2h proxy: ready once a Prefill and a Decode answer /health%s", " and a warm-up request "
+                     "went through them" if self.config.warms_up else "")
             self._checks = asyncio.create_task(self._check_forever())
 
     async def stop(self) -> None:
-        if self._checks is not None:
-            await _cancel(self._checks)
+        for task in (self._checks, self._warming):
+            if task is not None:
+                await cancel(task)
         if self.client is not None:
             await self.client.aclose()
             self.client = None
@@ -148,6 +167,10 @@ class Proxy:
         while True:
             try:
                 await self.check_health()
+                note_readiness(self)
+                if self.config.warms_up and (self._warming is None or self._warming.done()):
+                    # apart from the checks: a slow warm-up must not delay taking a dead engine out
+                    self._warming = asyncio.create_task(warm_up_pairs(self))
             except Exception:  # a check must never end the checking
                 log.exception("health check failed")
             await asyncio.sleep(self.config.health_interval)  # a cadence, not synchronisation
@@ -158,13 +181,14 @@ class Proxy:
                     pending: _Pending) -> httpx.Response:
         """POST to the up instance with the fewest outstanding requests; a connect error takes
         it out of rotation and moves on (with backoff). A streamed answer stays outstanding
-        on its instance until the request ends (:meth:`_finish`)."""
+        on its instance until the request ends (:meth:`finish`)."""
         assert self.client is not None
         delay, tried = self.config.backoff, set()
         timeout = httpx.Timeout(self.config.request_timeout, connect=self.config.connect_timeout)
         for attempt in range(self.config.retries + 1):
             # up ones first; when every one is down or tried, still try (a restart is not seen yet)
-            instance = pool.pick(tried) or pool.pick(tried, include_down=True) or pool.pick(include_down=True)
+            instance = (pending.pinned.get(pool.role) or pool.pick(tried) or pool.pick(tried, include_cold=True)
+                        or pool.pick(tried, include_down=True) or pool.pick(include_down=True))
             assert instance is not None  # a pool has at least one instance
             tried.add(instance.url)
             url = instance.url + path
@@ -176,7 +200,7 @@ class Proxy:
                 instance.outstanding -= 1
                 pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
                 log.warning("%s: %s (attempt %d)", url, exc, attempt + 1)
-                if attempt == self.config.retries:
+                if attempt == self.config.retries or pending.pinned:
                     error = NoInstance if not pool.any_up() else EngineError
                     raise error(f"{url}: {exc} (no {pool.role} instance took the request)") from exc
                 await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
@@ -189,7 +213,7 @@ class Proxy:
             except BaseException:  # cancelled: the request is no longer outstanding there
                 instance.outstanding -= 1
                 raise
-            instance.served += 1
+            instance.served += not pending.warmup
             if stream:
                 pending.streams.append(instance)
             else:
@@ -256,32 +280,18 @@ class Proxy:
             self.metrics.errors.labels("draining" if exc.status == 503 else "refused").inc()
             kind = "invalid_request_error" if exc.status < 500 else "rd2h_proxy_unavailable"
             return JSONResponse(error_body(str(exc), kind, exc.status), exc.status, headers=answer_headers)
-        rid = secrets.token_hex(16)  # unguessable: it names the request on both engines
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in range(prompts)]
-        record = {"id": rid, "path": path, "x_request_id": headers["x-request-id"]}
-        pending = _Pending(rid, prompts, futures, headers, record)
-        self.pending[rid] = pending
-        self.recent.append(pending.record)
-        decode_body = dict(body)
-        decode_body["kv_transfer_params"] = {
-            "do_remote_prefill": True, "rd2h": decode_fields(self.config.secret, rid, prompts, samples, time.time()),
-        }
+        pending, prefill, decode = self.begin(path, body, (prompts, samples), headers)
         stream = bool(body.get("stream"))
-        prefill = asyncio.create_task(self.prefill(pending, path, body))
-        decode = asyncio.create_task(
-            self._send(self.decode_pool, path, decode_body, stream=stream, pending=pending)
-        )
         try:
             try:
-                response = await self._first(decode, prefill)
+                response = await self.first_answer(decode, prefill)
             except PrefillFailed as exc:
                 if not pending.recompute:
                     raise
                 response = await self.recompute(pending, path, body, exc)
         except EngineError as exc:
             status = 503 if isinstance(exc, NoInstance) else 502
-            self._finish(pending, status, str(exc), kind=exc.kind)
+            self.finish(pending, status, str(exc), kind=exc.kind)
             return JSONResponse(error_body(str(exc), "rd2h_proxy_error", status), status, headers=answer_headers)
         answer_headers["content-type"] = response.headers.get("content-type", "application/json")
         if not stream:
@@ -289,33 +299,61 @@ class Proxy:
             await response.aclose()
             self._first_byte(pending)
             await self._settle(prefill, pending)
-            self._finish(pending, response.status_code)
+            self.finish(pending, response.status_code)
             return Response(data, status_code=response.status_code, headers=answer_headers)
         return StreamingResponse(
             self._relay(response, prefill, pending, (path, body)), status_code=response.status_code,
             headers=answer_headers,
         )
 
-    async def _first(self, decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[None]) -> httpx.Response:
+    def begin(self, path: str, body: dict[str, Any], shape: tuple[int, int], headers: dict[str, str], *,
+               pinned: dict[str, Instance] | None = None,
+               ) -> tuple[_Pending, asyncio.Task[None], asyncio.Task[httpx.Response]]:
+        """Both legs of a request under way: Decode's now, Prefill's once every rendezvous is in."""
+        prompts, samples = shape
+        rid = secrets.token_hex(16)  # unguessable: it names the request on both engines
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in range(prompts)]
+        record: dict[str, Any] = {"id": rid, "path": path, "x_request_id": headers["x-request-id"]}
+        if pinned:
+            record["warmup"] = True
+        pending = _Pending(rid, prompts, futures, headers, record, pinned=dict(pinned or {}), warmup=bool(pinned))
+        self.pending[rid] = pending
+        self.recent.append(pending.record)
+        decode_body = dict(body)
+        decode_body["kv_transfer_params"] = {
+            "do_remote_prefill": True, "rd2h": decode_fields(self.config.secret, rid, prompts, samples, time.time()),
+        }
+        prefill = asyncio.create_task(self.prefill(pending, path, body))
+        decode = asyncio.create_task(
+            self._send(self.decode_pool, path, decode_body, stream=bool(body.get("stream")), pending=pending)
+        )
+        return pending, prefill, decode
+
+    def ready(self) -> bool:
+        """Serving: not draining, and a Prefill and a Decode in rotation (up and warm)."""
+        return not self.draining and self.prefill_pool.any_in_rotation() and self.decode_pool.any_in_rotation()
+
+    async def first_answer(self, decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[None]) -> httpx.Response:
         """Decode's response (headers), unless Prefill failed first: then Decode is cancelled."""
         done, _ = await asyncio.wait({decode, prefill}, return_when=asyncio.FIRST_COMPLETED)
         if prefill in done and prefill.exception() is not None:
-            await _cancel(decode)
+            await cancel(decode)
             failed = prefill.exception()
             raise failed if isinstance(failed, EngineError) else EngineError(str(failed))
         try:
             response = await decode
         except EngineError:
-            await _cancel(prefill)
+            await cancel(prefill)
             raise
         if response.status_code >= 400:  # Decode refused it: Prefill has nothing to do
-            await _cancel(prefill)
+            await cancel(prefill)
         return response
 
     async def _settle(self, prefill: asyncio.Task[None], pending: _Pending) -> None:
         """Decode answered: Prefill's part has served its purpose; do not leave it running."""
         if not prefill.done():
-            await _cancel(prefill)
+            await cancel(prefill)
         elif not prefill.cancelled() and prefill.exception() is not None and "recomputed" not in pending.record:
             log.warning("Prefill failed after Decode answered: %s", prefill.exception())
 
@@ -336,7 +374,7 @@ class Proxy:
                     await asyncio.wait({next_chunk, prefill}, return_when=asyncio.FIRST_COMPLETED)
                 failed = not relayed and _failure(prefill)
                 if failed:
-                    await _cancel(next_chunk)
+                    await cancel(next_chunk)
                     if isinstance(failed, PrefillFailed) and pending.recompute:
                         await response.aclose()
                         try:
@@ -366,24 +404,28 @@ class Proxy:
         finally:
             await response.aclose()
             await self._settle(prefill, pending)
-            self._finish(pending, status, error, kind=kind)
+            self.finish(pending, status, error, kind=kind)
 
     def _first_byte(self, pending: _Pending) -> None:
+        if pending.warmup:
+            return
         now = time.monotonic()
         self.metrics.ttft.observe(now - pending.started)
         if pending.prefill_answered is not None:
             self.metrics.decode.observe(now - pending.prefill_answered)
 
-    def _finish(self, pending: _Pending, status: int, error: str = "", *, kind: str = "") -> None:
+    def finish(self, pending: _Pending, status: int, error: str = "", *, kind: str = "") -> None:
         self.pending.pop(pending.rid, None)  # a late rendezvous now gets 404
         for instance in pending.streams:
             instance.outstanding -= 1
         pending.streams.clear()
         pending.record.update(status=status, total_ms=round((time.monotonic() - pending.started) * 1e3, 1))
-        self.metrics.requests.labels(pending.record["path"], str(status)).inc()
         if error:
             pending.record["error"] = error
-            self.metrics.errors.labels(kind or "engine_failed").inc()
+        if not pending.warmup:  # a warm-up is counted as one (rd2h_proxy_warmups_total)
+            self.metrics.requests.labels(pending.record["path"], str(status)).inc()
+            if error:
+                self.metrics.errors.labels(kind or "engine_failed").inc()
         log.info("rd2h proxy %s", json.dumps(pending.record, sort_keys=True))
 
     # -- metaserver ----------------------------------------------------------------------
@@ -414,14 +456,6 @@ class Proxy:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         return hmac.compare_digest(given, token(self.config.secret, "requests"))
 
-    def health(self) -> dict[str, Any]:
-        return {
-            "status": "draining" if self.draining else "ok", "pending": len(self.pending),
-            "recomputed": self.recomputed,
-            "prefill": [i.describe() for i in self.prefill_pool.instances],
-            "decode": [i.describe() for i in self.decode_pool.instances],
-        }
-
     async def models(self, request: Request) -> Response:
         """A Decode's model list (both kinds serve the same model)."""
         assert self.client is not None
@@ -438,28 +472,6 @@ class Proxy:
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
 
-async def read_limited(request: Request, limit: int, timeout: float = 10.0) -> bytes:
-    """The body, refused with 413 past ``limit`` bytes before more of it is read, and with 408
-    when it takes more than ``timeout`` seconds to arrive."""
-    try:
-        return await asyncio.wait_for(_read_capped(request, limit), timeout)
-    except asyncio.TimeoutError:
-        raise Refused(f"the body did not arrive within {timeout:g} s", status=408) from None
-
-
-async def _read_capped(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise Refused(f"the body is {int(declared)} bytes, more than the {limit} this proxy takes", status=413)
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise Refused(f"the body is more than the {limit} bytes this proxy takes", status=413)
-        parts.append(part)
-    return b"".join(parts)
-
-
 def _failure(task: asyncio.Future[Any]) -> BaseException | None:
     """The exception a finished task ended with (None while it runs, or if cancelled)."""
     if not task.done() or task.cancelled():
@@ -467,7 +479,7 @@ def _failure(task: asyncio.Future[Any]) -> BaseException | None:
     return task.exception()
 
 
-async def _cancel(task: asyncio.Future[Any]) -> None:
+async def cancel(task: asyncio.Future[Any]) -> None:
     task.cancel()
     with contextlib.suppress(BaseException):
         result = await task

@@ -3,12 +3,15 @@ body read): limits on the body, the shape of a request, the Prefill leg's change
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+from starlette.requests import Request
+
 from rd2h.vllm.params import MAX_CHILDREN
 
-__all__ = ["Refused", "children_of", "error_body", "parse_body", "prefill_body", "shape_of"]
+__all__ = ["Refused", "children_of", "error_body", "parse_body", "prefill_body", "read_limited", "shape_of"]
 
 
 class Refused(ValueError):
@@ -74,3 +77,25 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     if "max_completion_tokens" in body:
         leg["max_completion_tokens"] = 1
     return leg
+
+
+async def read_limited(request: Request, limit: int, timeout: float = 10.0) -> bytes:
+    """The body, refused with 413 past ``limit`` bytes before more of it is read, and with 408
+    when it takes more than ``timeout`` seconds to arrive."""
+    try:
+        return await asyncio.wait_for(_read_capped(request, limit), timeout)
+    except asyncio.TimeoutError:
+        raise Refused(f"the body did not arrive within {timeout:g} s", status=408) from None
+
+
+async def _read_capped(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Refused(f"the body is {int(declared)} bytes, more than the {limit} this proxy takes", status=413)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise Refused(f"the body is more than the {limit} bytes this proxy takes", status=413)
+        parts.append(part)
+    return b"".join(parts)

@@ -3,9 +3,13 @@ among those that answer, ejection and return by health checks.
 
 An instance is *down* from the first failed health check or connect error, and up again
 from the first ``/health`` that answers 200: a dead engine stops getting requests within
-one check interval, a restarted one gets them back as soon as it serves. Requests only go
-to instances that are up; among those, to the one with the fewest requests outstanding
-(ties in turn), so one slow engine does not collect a queue while others idle.
+one check interval. It is *in rotation* while it is up and *warm*: with warm-up on
+(:mod:`rd2h.proxy.warmup`) a P/D request went through it since it last came up, so its
+handshakes and first-use costs are paid and a client's first request is served like the
+second; with warm-up off it is warm as soon as it is up. Going down makes it cold (it may come back
+as a new process) and starts a new ``epoch``. Requests go to instances in rotation; among
+those, to the one with the fewest requests outstanding (ties in turn), so one slow engine
+does not collect a queue while others idle.
 """
 
 from __future__ import annotations
@@ -28,29 +32,40 @@ class Instance:
     role: str  # "prefill" or "decode"
     url: str
     up: bool = True  # until a check or a connect error says otherwise
+    warm: bool = True  # False until a warm-up went through it (warm-up on), and whenever it goes down
+    epoch: int = 0  # counts its goings down: a warm-up is for the process that answered it
     outstanding: int = 0  # requests sent and not yet answered in full
-    served: int = 0
+    served: int = 0  # client requests (warm-ups are not counted)
     why_down: str = ""
 
+    @property
+    def in_rotation(self) -> bool:
+        return self.up and self.warm
+
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "up": self.up, "outstanding": self.outstanding, "served": self.served,
-                **({"why_down": self.why_down} if not self.up else {})}
+        return {"url": self.url, "up": self.up, "warm": self.warm, "outstanding": self.outstanding,
+                "served": self.served, **({"why_down": self.why_down} if not self.up else {})}
 
 
 class Pool:
-    """The instances of one role."""
+    """The instances of one role. ``warm_up``: an instance that comes up is cold until
+    :meth:`mark_warm` (the proxy's warm-up); otherwise it is in rotation once up."""
 
-    def __init__(self, role: str, urls: Sequence[str]) -> None:
+    def __init__(self, role: str, urls: Sequence[str], *, warm_up: bool = False) -> None:
         if not urls:
             raise ValueError(f"the proxy needs at least one {role} URL")
         self.role = role
-        self.instances = [Instance(role, url.rstrip("/")) for url in urls]
+        self.warm_up = warm_up
+        self.instances = [Instance(role, url.rstrip("/"), warm=not warm_up) for url in urls]
         self._turn = 0  # breaks ties in turn
 
-    def pick(self, tried: set[str] = frozenset(), *, include_down: bool = False) -> Instance | None:  # type: ignore[assignment]
-        """The up instance with the fewest outstanding requests, not in ``tried``; None if none.
-        ``include_down``: down ones too (health state lags a restart by up to one interval)."""
-        candidates = [i for i in self.instances if (i.up or include_down) and i.url not in tried]
+    def pick(self, tried: set[str] = frozenset(), *, include_cold: bool = False,  # type: ignore[assignment]
+             include_down: bool = False) -> Instance | None:
+        """The instance in rotation with the fewest outstanding requests, not in ``tried``; None
+        if none. ``include_cold``: up ones not yet warm too; ``include_down``: down ones too
+        (health state lags a restart by up to one interval)."""
+        candidates = [i for i in self.instances
+                      if (i.in_rotation or (include_cold and i.up) or include_down) and i.url not in tried]
         if not candidates:
             return None
         fewest = min(i.outstanding for i in candidates)
@@ -61,15 +76,27 @@ class Pool:
     def mark_down(self, instance: Instance, why: str) -> None:
         if instance.up:
             log.warning("%s %s is down: %s", self.role, instance.url, why)
+            instance.epoch += 1
         instance.up, instance.why_down = False, why
+        if self.warm_up:
+            instance.warm = False
 
     def mark_up(self, instance: Instance) -> None:
         if not instance.up:
-            log.warning("%s %s answers again: back in rotation", self.role, instance.url)
+            log.warning("%s %s answers again: %s", self.role, instance.url,
+                        "warming up" if self.warm_up else "back in rotation")
         instance.up, instance.why_down = True, ""
+
+    def mark_warm(self, instance: Instance) -> None:
+        if not instance.warm:
+            log.info("%s %s is warm: in rotation", self.role, instance.url)
+        instance.warm = True
 
     def any_up(self) -> bool:
         return any(i.up for i in self.instances)
+
+    def any_in_rotation(self) -> bool:
+        return any(i.in_rotation for i in self.instances)
 
     async def check(self, client: httpx.AsyncClient, timeout: float) -> None:
         """One health check of every instance, concurrently."""

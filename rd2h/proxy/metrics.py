@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -30,14 +30,18 @@ class _Instances(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         outstanding = GaugeMetricFamily("rd2h_proxy_outstanding_requests", "Requests sent to an engine and not yet "
                                         "answered in full", labels=["role", "instance"])
-        up = GaugeMetricFamily("rd2h_proxy_instance_up", "1 while an engine is in rotation (its last health "
-                               "check answered)", labels=["role", "instance"])
+        up = GaugeMetricFamily("rd2h_proxy_instance_up", "1 while an engine's last health check answered",
+                               labels=["role", "instance"])
+        warm = GaugeMetricFamily("rd2h_proxy_instance_warm", "1 while an engine is warm (a warm-up went through "
+                                 "it since it came up): with up, in rotation", labels=["role", "instance"])
         for pool in self._pools():
             for i in pool.instances:
                 outstanding.add_metric([i.role, i.url], i.outstanding)
                 up.add_metric([i.role, i.url], 1.0 if i.up else 0.0)
+                warm.add_metric([i.role, i.url], 1.0 if i.warm else 0.0)
         yield outstanding
         yield up
+        yield warm
 
 
 class ProxyMetrics:
@@ -57,6 +61,12 @@ class ProxyMetrics:
                                  buckets=_SECONDS, registry=self.registry)
         self.decode = Histogram("rd2h_proxy_decode_first_byte_seconds", "From Prefill's answer to Decode's "
                                 "first byte", buckets=_SECONDS, registry=self.registry)
+        self.warmups = Counter("rd2h_proxy_warmups", "Warm-up requests through a Prefill/Decode pair, by result "
+                               "(ok, failed)", ["result"], registry=self.registry)
+        self.warmup_seconds = Histogram("rd2h_proxy_warmup_seconds", "A successful warm-up request, whole",
+                                        buckets=_SECONDS, registry=self.registry)
+        self.ready = Gauge("rd2h_proxy_ready", "1 while /health answers 200: a warm Prefill and Decode in "
+                           "rotation, not draining", registry=self.registry)
         self.registry.register(_Instances(pools))
 
     def scrape(self) -> bytes:

@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from rd2h.proxy.app import RENDEZVOUS_PATH, Proxy, ProxyConfig, read_limited
-from rd2h.proxy.bodies import Refused, parse_body
+from rd2h.proxy.app import RENDEZVOUS_PATH, Proxy, ProxyConfig
+from rd2h.proxy.bodies import Refused, parse_body, read_limited
 from rd2h.proxy.metrics import CONTENT_TYPE
+from rd2h.proxy.readiness import health_body
 
 __all__ = ["create_apps"]
 
@@ -48,8 +49,8 @@ def create_apps(config: ProxyConfig) -> tuple[FastAPI, FastAPI]:
     @public.get("/health")
     @internal.get("/health")
     async def health() -> Response:
-        ready = not proxy.draining and proxy.prefill_pool.any_up() and proxy.decode_pool.any_up()
-        return JSONResponse(proxy.health(), status_code=200 if ready else 503)
+        body = health_body(proxy)
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @internal.post(RENDEZVOUS_PATH)
     async def rendezvous(request: Request) -> Response:

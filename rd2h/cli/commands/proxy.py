@@ -19,7 +19,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "RD2HConnector. Each request goes to a Decode engine first; once Decode posted where its "
             "KV must go (to this proxy's internal listener, /v1/rd2h/rendezvous), the request goes to a "
             "Prefill engine with max_tokens=1. Of several engines of a kind, the one with the fewest "
-            "outstanding requests among those whose health check answers gets it. The internal listener "
+            "outstanding requests among those in rotation gets it: an engine is in rotation once its health "
+            "check answers and a warm-up request (one tiny P/D request through each Prefill/Decode pair) went "
+            "through it, so a client's first request is served like the second. /health answers 200, and the "
+            "log says 'rd2h proxy ready', once a Prefill and a Decode are in rotation. The internal listener "
             "also serves /metrics (Prometheus) and /v1/rd2h/requests (operator token). SIGTERM drains."
         ),
     )
@@ -63,7 +66,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--health-interval", type=float, default=2.0, metavar="S",
         help="seconds between health checks of every engine; one that fails is out of rotation until "
-        "one answers (0: no checks) (default: %(default)s)",
+        "one answers and it is warmed up again (0: no checks, no warm-up: every engine is in rotation from "
+        "the start) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-warmup", dest="warmup", action="store_false",
+        help="put an engine in rotation as soon as its health check answers, without a warm-up request "
+        "through it (its first client request then pays the Prefill/Decode handshakes)",
+    )
+    parser.add_argument(
+        "--warmup-timeout", type=float, default=120.0, metavar="S",
+        help="bound on one warm-up request; a pair that fails is tried again after a backoff (default: %(default)s)",
     )
     parser.add_argument(
         "--max-body-bytes", type=int, default=16 << 20, metavar="N",
@@ -97,6 +110,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.warmup_timeout > 0:
+        raise ConfigError(f"--warmup-timeout must be more than 0 seconds, got {args.warmup_timeout:g}")
     try:
         import asyncio
 
@@ -111,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         rendezvous_timeout=args.rendezvous_timeout, request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout, retries=args.retries, backoff=args.backoff,
         max_body_bytes=args.max_body_bytes, health_interval=args.health_interval, body_timeout=args.header_timeout,
+        warmup=args.warmup, warmup_timeout=args.warmup_timeout,
     )
     rendezvous_port = args.port + 1 if args.rendezvous_port is None else args.rendezvous_port
     if (args.rendezvous_host, rendezvous_port) == (args.host, args.port):
