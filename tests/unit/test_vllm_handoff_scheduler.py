@@ -195,3 +195,20 @@ def test_decode_refuses_params_made_for_another_prompt(model: Path) -> None:
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {req: 100}
     assert scheduler.connector.scheduler.stats["refused_params"] == 1
+
+
+def test_decode_without_a_metaserver_starts_and_computes_rd2h_proxy_requests_itself(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from rd2h.vllm.params import decode_fields
+
+    with caplog.at_level(logging.WARNING, "rd2h"):
+        scheduler, _ = make_scheduler(model, "kv_consumer", extra={"metaserver": None})  # the convention only
+        req = "cmpl-h8-0-abcdef12"
+        fields = decode_fields(SECRET, "ab" * 16, 1, 1, time.time())
+        scheduler.add_request(make_request(req, 100, {"do_remote_prefill": True, "rd2h": fields}))
+        out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {req: 100}  # nowhere to post its rendezvous: computed here
+    assert "without kv_connector_extra_config 'metaserver'" in caplog.text
+    assert "no 'metaserver' is configured" in caplog.text
+    assert scheduler.connector.scheduler.stats["refused_params"] == 1
