@@ -82,13 +82,15 @@ def _group_alive(pgid: int) -> bool:
 class Process:
     """One child process with its log file; ``stop`` kills its whole process group."""
 
-    def __init__(self, name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
+                 *, cwd: Path | None = None, inherit_env: bool = True) -> None:
+        """``env`` is added to this process's environment, or is the whole of it without ``inherit_env``."""
         self.name, self.log = name, log
         self._exited = threading.Event()  # never set: a bounded wait's tick
         self._file = open(log, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
-            list(argv), stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(env or {})},
+            list(argv), stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
+            env={**(os.environ if inherit_env else {}), **(env or {})},
         )
 
     def wait_healthy(self, url: str, timeout: float) -> None:
