@@ -317,7 +317,9 @@ class SendTracker:
         """``(address, frame)`` to send, no reply expected: how the requests settled since the
         last call ended, for each endpoint that heard of them (consumed). A frame that cannot
         be sent is lost: Decode then fails the request at its deadline."""
-        return self._notices.take()
+        notices = self._notices.take()  # mf_meta first to a SILENT Decode that acknowledged none: it ignores strangers
+        first = {a for a, _ in notices if (e := self._endpoints.get(a)) and e.unacked}
+        return [(a, self._meta) for a in first if self._endpoints[a].state is EndpointState.SILENT] + notices
 
     # -- remote input and time -------------------------------------------------------------
 

@@ -231,3 +231,36 @@ def test_a_decode_port_in_use_is_refused_at_once(kv_port: int) -> None:
         assert on_decode[0] == "done" and on_prefills[0][0] == "done"
         assert cluster.arrived(req, [0]) == []
 
+
+
+def test_a_prefill_whose_first_contact_falls_in_a_decode_stop_is_failed_on_decode_as_it_continues(kv_port: int) -> None:
+    """Issue 19, item 5: Decode is SIGSTOPped before Prefill ever reached it; Prefill announces
+    every layer (its frames wait in its own socket: the stopped Decode never completed the
+    connection's handshake), gives up after reply_timeout and drops them. Decode never heard
+    of that Prefill, so it ignored the ``settled`` saying the request failed, and held the
+    destinations until request_timeout (300 s by default; 18.6 s after SIGCONT measured
+    with 20 s). Prefill now introduces itself (mf_meta) before that notice: continued,
+    Decode admits it and fails the request at once, and the next request is DONE."""
+    with Cluster(SHAPE, kv_port) as cluster:
+        decode = cluster.decode()  # the default request_timeout: 300 s
+        prefill = cluster.prefill(reply_timeout=REPLY_TIMEOUT)
+        req = _req("r", 1, range(4), range(8, 12))
+        decode.call("expect", req)
+        decode.signal(signal.SIGSTOP)
+        decode.wait_stopped()
+        prefill.call("add", req)
+        prefill.call("schedule", {"r": req.tokens})
+        prefill.call("layers", 0, SHAPE.layers, gate=10.0)
+        on_prefill = prefill.call("wait", ["r"], 20)["r"]
+        assert on_prefill[:2] == ("failed", "ReplyTimeout"), on_prefill
+        decode.signal(signal.SIGCONT)
+        started = time.monotonic()
+        on_decode = decode.call("wait", ["r"], 20)["r"]
+        took = time.monotonic() - started
+        assert on_decode[:2] == ("failed", "ReplyTimeout") and "did not reply" in on_decode[2], on_decode
+        assert took < REPLY_TIMEOUT + 3, took  # a handshake, not request_timeout
+        assert cluster.written_outside(req.dst) == 0 and cluster.written_outside([]) == 0
+        nxt = _req("next", 2, range(10, 13), range(8, 11))  # r's destinations, free again
+        on_decode, on_prefills = _serve_one(cluster, decode, [prefill], nxt)
+        assert on_decode[0] == "done" and on_prefills[0][0] == "done", (on_decode, on_prefills)
+        assert cluster.arrived(nxt, [0]) == []
