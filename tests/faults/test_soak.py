@@ -4,7 +4,10 @@
 Every rank is a process (tests/faults/harness.py). Each round expects and adds 2-6 requests
 of random lengths at random blocks, sometimes in two chunks, announces them layer by layer
 and injects faults at random points of that sequence: an abort on Prefill (then on Decode,
-as a rendezvous would), an abort on one Decode rank, a Decode deadline that passes before
+as a rendezvous would), an abort on one Decode rank (at a random point, or just after the
+last layer was announced, racing the final read, its reply and Prefill's confirmation: an
+abort once the final layer was answered READ_DONE changes nothing, the request ends as
+Prefill confirms it, DONE on both sides), a Decode deadline that passes before
 Prefill sends, a request Decode never expected, a request Decode allocated too few blocks
 for, a Prefill rank killed mid-request (restarted after the round). Then every request must
 be terminal on every live rank; the round checks:
@@ -48,7 +51,10 @@ SECONDS = float(os.environ.get("RD2H_SOAK_SECONDS", "60"))
 P_TP, D_TP = 4, 2
 SHAPE = Shape(layers=4, src_blocks=192, dst_blocks=224, decode_tp=D_TP)
 KILLABLE = (2, 3)  # Prefill ranks 0 and 1 live the whole run: their RSS and fds are measured
-FAULTS = ("prefill_abort", "decode_abort", "deadline", "unknown", "short", "kill")
+FAULTS = ("prefill_abort", "decode_abort", "late_decode_abort", "deadline", "unknown", "short", "kill")
+# injected after the round's last layer was announced, racing its final read, the reply and
+# Prefill's confirmation; the others at a random point of the announcements
+AFTER_THE_LAST_LAYER = ("late_decode_abort",)
 MiB = 1024
 # Decode's default deadline: bounds a request whose killed contributor Decode never admitted
 # (killed during its first handshake), the one case the pidfd cannot tell
@@ -116,7 +122,7 @@ class Soak:
             steps.append({r.ext_id: (len(r.src) // 2) * BLOCK for r in plan.requests if len(r.src) >= 2})
         steps.append({r.ext_id: r.tokens for r in plan.requests})
         events = [(s, layer) for s in range(len(steps)) for layer in range(SHAPE.layers)]
-        at = {kind: self.rng.randrange(len(events)) for kind in faults}
+        at = {kind: self.rng.randrange(len(events)) for kind in faults if kind not in AFTER_THE_LAST_LAYER}
         if "kill" in faults:  # mid-way through the last step: the killed rank announced every
             # request, so Decode knows what it owes (a contributor never heard from is only
             # bounded by the request's deadline)
@@ -144,6 +150,9 @@ class Soak:
                 p.send("layers", layer, layer + 1)
             for p in live:
                 p.result(60, "layers")
+        for kind in AFTER_THE_LAST_LAYER:
+            if kind in faults:
+                self._inject(kind, faults[kind], plan, alive, decode_seen)
         self._settle(plan, expected, alive, decode_seen, by_id)
 
     def _inject(self, kind: str, ext_id: str, plan: Round, alive: list, decode_seen: list) -> None:
@@ -160,6 +169,9 @@ class Soak:
                 d.call("abort", ext_id)
         elif kind == "decode_abort":
             self.decode[self.rng.randrange(D_TP)].call("abort", ext_id)
+        elif kind == "late_decode_abort":  # the final layer may be read, answered, even confirmed
+            found = self.decode[self.rng.randrange(D_TP)].call("abort", ext_id)
+            self.stats[f"late_decode_abort: the abort found it {'live' if found else 'settled'}"] += 1
 
     def _settle(self, plan: Round, expected: list[Request], alive: list, decode_seen: list, by_id: dict) -> None:
         ids = [r.ext_id for r in plan.requests]
