@@ -227,7 +227,11 @@ class RD2HWorker:
         # to a request this same step expects
         for ext_id in meta.recv_abort:
             try:
-                self.sink.abort(ext_id)  # reported ABORTED through take(), once no read writes it
+                # returns at once (this is the forward path); reported through take() once no
+                # read writes its blocks: ABORTED, or as Prefill confirms it (DONE) when its final
+                # layer was already answered. vLLM holds the blocks of a request waiting for
+                # remote KV until it is reported finished-receiving, so none is reused before.
+                self.sink.abort(ext_id)
             except Exception:  # noqa: BLE001
                 log.exception("Decode rank %d: aborting %s failed", self.rank, ext_id)
         for spec in meta.recv:
