@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rd2h.decode.rank_reads import Destinations, MainSplit, plan_reads
 from rd2h.decode.receive_tracker import ReceiveState, ReceiveTracker
@@ -668,8 +668,23 @@ class ReceiveMachine(RuleBasedStateMachine):
     ) -> None:
         """A readiness, hostile at times: a request named twice (in the reads or in the final
         signals, issue 19), a local abort or failure while its read runs."""
+        self._readiness(data, data.draw(st.lists(self.ids, max_size=3, unique=True)), layer, member, final, fail,
+                        sender, twice, meanwhile)  # fmt: skip
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), layer=st.sampled_from(LAYERS), final=st.booleans(), twice=st.sampled_from(["reqs", "finals"]),
+          meanwhile=st.sampled_from(["nothing", "abort", "fail"]))
+    def live_request_named_twice(self, data: st.DataObject, layer: str, final: bool, twice: str, meanwhile: str) -> None:
+        """The holes of issue 19, often: a live request first, named twice by its own Prefill."""
+        first = data.draw(st.sampled_from(sorted(self.live)))
+        others = data.draw(st.lists(self.ids.filter(lambda e: e != first), max_size=2, unique=True))
+        self._readiness(data, [first, *others], layer, 0, final, False, PEER, twice, meanwhile)
+
+    def _readiness(
+        self, data: st.DataObject, chosen: list[str], layer: str, member: int, final: bool, fail: bool,
+        sender: bytes, twice: str, meanwhile: str,
+    ) -> None:
         member %= self.ratio
-        chosen = data.draw(st.lists(self.ids, max_size=3, unique=True))
         reqs = [(e, data.draw(st.integers(0, 3)), data.draw(st.integers(0, 4))) for e in chosen]
         done = tuple(chosen) if final else ()
         if twice == "reqs" and reqs:
@@ -824,7 +839,7 @@ class ReceiveMachine(RuleBasedStateMachine):
             assert len(self.t) == 0
 
 
-ReceiveMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+ReceiveMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestReceiveMachine = ReceiveMachine.TestCase
 
 
