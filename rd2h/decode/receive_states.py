@@ -73,6 +73,7 @@ TRANSITIONS = {
     **{(s, e): s for s in (_S.DONE, _S.FAILED, _S.ABORTED) for e in _E},
 }
 TERMINAL = {_S.DONE: TerminalState.DONE, _S.FAILED: TerminalState.FAILED, _S.ABORTED: TerminalState.ABORTED}
+_ENDED = tuple(TERMINAL)
 
 
 @dataclass(slots=True, eq=False)
@@ -102,7 +103,7 @@ class RequestRecord:
 
     @property
     def terminal(self) -> bool:
-        return self.state in TERMINAL
+        return self.state in _ENDED  # a tuple: identity tests, no Enum.__hash__ (in Python) on the hot path
 
 
 # -- per-peer state ---------------------------------------------------------------------------

@@ -202,14 +202,17 @@ class ReceiveTracker(RequestTable):
         peer = self._peers.get(identity)
         if peer is None:
             return Admission({}, {}, meta_required=True)
-        admitted: dict[str, _Request] = {}
+        readable: dict[str, Destinations] = {}
         refused: dict[str, RD2HError] = {}
+        serials: list[tuple[str, int]] = []
         for req in batch.read_reqs:
             ext_id = req.ext_req_id
-            if ext_id in admitted or ext_id in refused:
+            if ext_id in readable or ext_id in refused:
                 refused[ext_id] = ProtocolError(f"request {ext_id!r} is named twice in one readiness")
-                twice = admitted.pop(ext_id, None)
-                if twice is not None:  # the reply names it failed: Decode fails it too
+                if readable.pop(ext_id, None) is not None:  # the reply names it failed: Decode fails it too
+                    twice = self._requests[ext_id]
+                    twice.reading = False  # its mark from the first entry: nothing will read it
+                    serials.remove((ext_id, twice.serial))
                     self._fail(twice, refused[ext_id], now)
                 continue
             if peer.state is _PeerState.REFUSED:
@@ -229,12 +232,11 @@ class ReceiveTracker(RequestTable):
                     f"this peer ({peer.p_session!r:.80}) may not announce it"
                 )
                 continue
-            admitted[ext_id] = request
-        for request in admitted.values():  # marked only once the whole readiness is judged
             request.peers.add(identity)
             request.reading = True
-        readable = {e: r.destinations for e, r in admitted.items()}
-        return Admission(readable, refused, requests=tuple((e, r.serial) for e, r in admitted.items()))
+            readable[ext_id] = request.destinations
+            serials.append((ext_id, request.serial))
+        return Admission(readable, refused, requests=tuple(serials))
 
     def _apply_read(
         self,
@@ -262,11 +264,13 @@ class ReceiveTracker(RequestTable):
                 request.apply(_Event.READ)
                 request.nbytes += nbytes.get(ext_id, 0)
                 request.coverage.record(member, batch.layer_name, chunks[ext_id])
-        finals = Counter(batch.done_ext_ids)
-        for ext_id, times in finals.items():
+        done = batch.done_ext_ids
+        repeated = Counter(done) if len(set(done)) != len(done) else None  # rare: counted only then
+        for ext_id in done if repeated is None else repeated:
             request = self._requests.get(ext_id)
             if request is None or request.terminal or ext_id not in admission.readable:
                 continue
+            times = 1 if repeated is None else repeated[ext_id]
             error = (
                 ProtocolError(f"request {ext_id!r} is named {times} times in one readiness's final signals")
                 if times > 1 else self._final(request, identity, member, batch.tp_ratio)
