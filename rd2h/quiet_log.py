@@ -23,7 +23,7 @@ from collections.abc import Hashable
 from rd2h.clock import Clock, monotonic
 from rd2h.log_limits import Line, LogLimiter
 
-__all__ = ["QuietLog", "quiet", "DEFAULT_INTERVAL"]
+__all__ = ["QuietLog", "quiet", "flush_shared", "DEFAULT_INTERVAL"]
 
 DEFAULT_INTERVAL = 10.0  # seconds between two lines of one (reason, peer)
 _MORE = " (and %d more like this in the last %.1f s)"
@@ -105,3 +105,12 @@ def quiet(logger: logging.Logger) -> QuietLog:
         with _shared_lock:
             found = _shared.setdefault(logger.name, QuietLog(logger))
     return found
+
+
+def flush_shared() -> int:
+    """Flush every QuietLog :func:`quiet` made (the runtimes' loops call it on their cadence,
+    so a count left at the end of a flood is written even if that logger never warns again);
+    how many lines that took."""
+    with _shared_lock:
+        logs = list(_shared.values())
+    return sum(q.flush() for q in logs)

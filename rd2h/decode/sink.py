@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
+from rd2h import quiet_log
 from rd2h.clock import Clock, monotonic
 from rd2h.decode.admission import Admissions, Handshake, bare
 from rd2h.decode.layer_read import AdmittedPeer, Counters, LayerReader, LayerStat
@@ -275,6 +276,7 @@ class Sink:
                 if time.monotonic() >= next_check:  # a cadence, not a timeout: real time
                     next_check = time.monotonic() + self._liveness
                     self._check_peers()
+                    quiet_log.flush_shared()  # counts of a flood that ended: written, not kept for ever
             except Exception:  # one bad message must never kill the rank's loop
                 log.exception("rank %d: unexpected error in the loop", self.rank)
 
