@@ -7,19 +7,16 @@ release, connections to drop). Every call that can end a request takes ``now``.
 
 Its states and transition tables are drawn in :mod:`rd2h.prefill.send_states`: a request is
 ACTIVE, then FINAL, FAILING or ABORTING, and settles DONE, FAILED or ABORTED once no
-readiness naming it is unanswered; each is reported exactly once, as an
-:class:`~rd2h.outcome.Outcome` handed out once (``take``/``collect``), and then no state of
-it is left. In-flight readiness names request *instances*, never ids, so a late reply about
+readiness naming it is unanswered; each is reported exactly once (``take``/``collect``),
+and then no state of it is left. In-flight readiness names request *instances*, never ids, so a late reply about
 an earlier request can never touch a later one with the same id. What a step announces is
 built in :mod:`rd2h.prefill.send_steps`.
 
 Remote input never raises: malformed frames, replies for layers not in flight or from
 unknown endpoints, READ_FAILED naming requests that are not there are counted in
 :attr:`SendTracker.counters` and otherwise ignored; a failure becomes the outcome of the
-requests it names (never of a slot or of the next request).
-
-Each settled request is told to its Decode endpoints (``take_notices``, see
-:mod:`rd2h.prefill.settled_notices`).
+requests it names (never of a slot or of the next request). Each settled request is told to
+its Decode endpoints (``take_notices``, see :mod:`rd2h.prefill.settled_notices`).
 """
 
 from __future__ import annotations
