@@ -194,6 +194,16 @@ class Listener(abc.ABC):
         channel does not authenticate peers. Decode binds requests to it (``expect(prefill=)``)."""
         return None
 
+    def vouch(self, peer: bytes) -> None:
+        """Decode admitted ``peer``. A channel that bounds the connections of peers Decode
+        does not know (zmq: ``max_unadmitted_connections``) never closes this one's. Called
+        on the thread that calls ``recv``. The default does nothing."""
+
+    def disown(self, peer: bytes) -> None:
+        """Decode refused ``peer``, or forgot it (idle, over its limits, exited): it is a
+        stranger again, and its connection is among the first such a channel closes. Called
+        on the thread that calls ``recv``. The default does nothing."""
+
     def close(self) -> None:
         """Unbind. Idempotent."""
 

@@ -380,6 +380,7 @@ class Sink:
         )  # fmt: skip
         with self._changed:  # kept bare: a traceback would keep the refused peer's frames alive
             self._tracker.peer_refused(identity, meta.p_session[:256], bare(exc))  # kept: bounded
+        self._listener.disown(identity)  # its connection goes first when strangers hold too many
         self._forget_all(self._book.admit(identity, None, self._clock(), self._announcing))
 
     def _admit(self, identity: bytes, meta: protocol.MfMeta, layers: dict[str, LayerLayout], session: Session) -> None:
@@ -391,6 +392,7 @@ class Sink:
         proven = [session.peer_id] if key is None else [session.peer_id, key]
         with self._changed:
             self._tracker.peer_admitted(identity, meta.p_session, proven, confirms=not meta.legacy)
+        self._listener.vouch(identity)  # the channel never closes an admitted peer's connection
         self._forget_all(self._book.admit(identity, session.peer_id, self._clock(), self._announcing))
         try:
             self._listener.send(identity, protocol.ACK_FRAME)
@@ -411,6 +413,7 @@ class Sink:
             if peer is not None:
                 peer.session.close()
             self._book.forget(identity)
+            self._listener.disown(identity)
             with self._changed:
                 hit = self._tracker.peer_gone(identity, PeerGoneError(f"Prefill peer dropped by Decode: {why}"), self._clock())
                 self._changed.notify_all()
@@ -432,4 +435,5 @@ class Sink:
             peer.session.close()
             del self._peers[identity]
             self._book.forget(identity)
+            self._listener.disown(identity)
         self._forget_all(self._book.idle(self._clock(), self._announcing), "idle")

@@ -1,4 +1,4 @@
-"""The ROUTER listener and the DEALER dialer, and the context they share.
+"""The ROUTER listener and the DEALER dialer (their shared context is in ``context``).
 
 Framing (as the reference implementation does it, so either side can talk to its peers):
 a sender puts one payload frame on the wire; a listener replies ``(identity, b"", payload)``;
@@ -27,17 +27,17 @@ import secrets
 import select
 import threading
 import time
-from pathlib import Path
+from collections import deque
 from typing import TYPE_CHECKING, ClassVar
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 from rd2h.errors import ChannelError, FrameTooLargeError, PortInUseError
 from rd2h.interfaces import Dialer, Listener
 from rd2h.quiet_log import quiet
 
+from rd2h_zmq.connection_watch import ConnectionWatch
+from rd2h_zmq.context import SharedContext
 from rd2h_zmq.settings import Settings
 
 if TYPE_CHECKING:
@@ -53,56 +53,9 @@ _WIRE_OVERHEAD = 256
 _CLOSE_LINGER_MS = 500  # what a closing dialer gives its queued frames to leave
 _UNBIND_WAIT = 1.0  # seconds close() waits for libzmq to release a listening port
 _KEY_BYTES = 40  # a Z85 CURVE public key, as libzmq's ZAP handler names the peer (User-Id)
-
-
-class SharedContext:
-    """One ``zmq.Context`` (one I/O thread) for every socket of a channel, made on first
-    use and terminated when the last user releases it; with CURVE, the ZAP authenticator
-    thread lives and dies with it."""
-
-    def __init__(self, authorized_dir: Path | None) -> None:
-        self._authorized_dir = authorized_dir
-        self._lock = threading.Lock()
-        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._authenticator: ThreadAuthenticator | None = None
-        self._users = 0
-
-    def acquire(self, *, authenticate: bool) -> zmq.Context[zmq.Socket[bytes]]:
-        with self._lock:
-            if self._context is None:
-                self._context = zmq.Context(io_threads=1)
-            self._users += 1
-            context = self._context
-            if authenticate and self._authenticator is None:
-                try:
-                    authenticator = ThreadAuthenticator(context, log=log.getChild("zap"))
-                    authenticator.start()
-                    authenticator.configure_curve(domain="*", location=str(self._authorized_dir))
-                except Exception:
-                    self._users -= 1
-                    self._maybe_term()
-                    raise
-                self._authenticator = authenticator
-            return context
-
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            self._maybe_term()
-
-    @property
-    def active(self) -> bool:
-        return self._context is not None
-
-    def _maybe_term(self) -> None:
-        if self._users > 0 or self._context is None:
-            return
-        if self._authenticator is not None:
-            self._authenticator.stop()
-            self._authenticator = None
-        # Every socket is closed with LINGER 0 before release, so term() returns at once.
-        self._context.term()
-        self._context = None
+# what a listener reads ahead of its loop to learn which connections spoke (connection_watch)
+_READ_AHEAD_FRAMES = 1024
+_READ_AHEAD_BYTES = 64 << 20
 
 
 def _check_frame(payload: bytes, limit: int) -> int:
@@ -153,7 +106,14 @@ class ZmqListener(Listener):
     ``send`` never blocks: each peer has its own queue of ``high_water_mark`` frames, and a
     reply to a peer whose queue is full (it does not read) is dropped, counted in
     ``dropped`` and raised as ``ChannelError``; other peers are not slowed. A peer may queue
-    ``receive_high_water_mark`` frames here (bounded bytes, see ``max_queued_bytes``)."""
+    ``receive_high_water_mark`` frames here (bounded bytes, see ``max_queued_bytes``).
+
+    Connections are bounded too (``rd2h_zmq.connection_watch``): the listener watches every
+    connection libzmq accepts and the connection each message came over, and keeps at most
+    ``max_unadmitted_connections`` that carry no peer Decode admitted (``vouch``), shutting
+    strangers' down first (``rd2h_zmq.connection_book``). A
+    vouched peer's connection is never shut. ``vouch`` and ``disown`` run on the listener's
+    thread, like ``recv``."""
 
     def __init__(self, settings: Settings, shared: SharedContext, address: str) -> None:
         self._settings = settings
@@ -187,6 +147,15 @@ class ZmqListener(Listener):
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        self._early: deque[tuple[tuple[bytes, bytes], int]] = deque()  # read ahead: (item, size)
+        self._early_bytes = 0
+        # inproc connections hold no fd, and libzmq reports none of them
+        self._watch = None
+        if not self._address.startswith("inproc://"):
+            self._watch = ConnectionWatch(
+                sock, settings.max_unadmitted_connections, self._address, self._read_waiting
+            )
+            self._poller.register(self._watch.monitor, zmq.POLLIN)
 
     @property
     def address(self) -> str:
@@ -195,29 +164,86 @@ class ZmqListener(Listener):
     def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
         self._check_open()
         deadline = time.monotonic() + max(0.0, timeout)
+        watch = self._watch
         while True:
-            if self._poller.poll(_deadline_ms(deadline)):
-                try:
-                    if not self._curve:  # bytes at once: cheaper than Frame objects per message
-                        raw = self._sock.recv_multipart(zmq.NOBLOCK)
-                        payload = _payload(raw[1:], raw[0])
-                        if payload is not None:
-                            return raw[0], payload
-                        continue
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    continue
-                routing_id = frames[0].bytes
-                payload = _payload([f.bytes for f in frames[1:]], routing_id)
-                if payload is None:
-                    continue
-                key = frames[-1].get("User-Id")  # set by the ZAP handler: the client's public key
-                if not isinstance(key, str) or len(key) != _KEY_BYTES:
-                    quiet(log).warning("no key", routing_id, "dropped a frame from %r without a CURVE key", routing_id)
-                    continue
-                return key.encode("ascii") + routing_id, payload
+            if self._early:  # read ahead by the watch, before closing a silent connection
+                item, size = self._early.popleft()
+                self._early_bytes -= size
+                return item
+            ready = self._poller.poll(_deadline_ms(deadline))
+            if watch is not None:
+                watch.drain()  # first: a message's fd is then known (accepted before it came)
+            if ready or self._early:
+                item = self._take()
+                if item is not None:
+                    return item
             if time.monotonic() >= deadline:
                 return None
+
+    def _take(self) -> tuple[bytes, bytes] | None:
+        """The next message read ahead or waiting with one payload, or None if none is."""
+        if self._early:
+            item, size = self._early.popleft()
+            self._early_bytes -= size
+            return item
+        while True:
+            try:
+                item = self._read()
+            except zmq.Again:
+                return None
+            if item is not None:
+                return item
+
+    def _read_waiting(self) -> None:
+        """Read ahead what is waiting (bounded), so the watch learns which connections spoke."""
+        while len(self._early) < _READ_AHEAD_FRAMES and self._early_bytes < _READ_AHEAD_BYTES:
+            try:
+                item = self._read()
+            except zmq.Again:
+                return
+            if item is not None:
+                size = len(item[1])
+                self._early.append((item, size))
+                self._early_bytes += size
+
+    def _read(self) -> tuple[bytes, bytes] | None:
+        """One message from the ROUTER: ``(identity, payload)``, or None if it is dropped.
+        Raises ``zmq.Again`` when none is waiting."""
+        # Frames, not bytes: each names the connection it came over (ZMQ_SRCFD).
+        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        routing_id = frames[0].bytes
+        identity = routing_id
+        if self._curve:
+            key = frames[-1].get("User-Id")  # set by the ZAP handler: the client's public key
+            if not isinstance(key, str) or len(key) != _KEY_BYTES:
+                quiet(log).warning("no key", routing_id, "dropped a frame from %r without a CURVE key", routing_id)
+                return None
+            identity = key.encode("ascii") + routing_id
+        if self._watch is not None:
+            self._watch.carried(frames[-1].get(zmq.SRCFD), identity)
+        payload = _payload([f.bytes for f in frames[1:]], routing_id)
+        return None if payload is None else (identity, payload)
+
+    def vouch(self, peer: bytes) -> None:
+        """Decode admitted ``peer``: its connection is never closed to bound the others."""
+        if self._watch is not None:
+            self._watch.vouch(peer)
+
+    def disown(self, peer: bytes) -> None:
+        """Decode refused or forgot ``peer``: its connection is among the first closed once
+        more than ``max_unadmitted_connections`` carry no admitted peer."""
+        if self._watch is not None:
+            self._watch.disown(peer)
+
+    @property
+    def connections_closed(self) -> int:
+        """Connections this listener shut because they were over the bound."""
+        return 0 if self._watch is None else self._watch.closed
+
+    def connections(self) -> dict[str, int]:
+        """The connections open now by standing (``vouched``, ``undecided``, ``silent``,
+        ``disowned``, ``closing``); empty for inproc, which has none."""
+        return {} if self._watch is None else self._watch.counts()
 
     def peer_key(self, peer: bytes) -> str | None:
         """The CURVE public key (Z85) the peer authenticated with; None without CURVE."""
@@ -256,22 +282,18 @@ class ZmqListener(Listener):
         # libzmq closes a listening socket later, on its I/O thread; while other sockets keep
         # the context alive, a re-listen on this address right after close() would race it.
         # Unbind and wait (bounded) for the monitor to report the listening fd closed.
-        if self._address.startswith("inproc://"):
+        watch = self._watch
+        if watch is None:
             return  # inproc endpoints are released synchronously
-        monitor = self._sock.get_monitor_socket(zmq.EVENT_CLOSED)
+        self._poller.unregister(watch.monitor)
         try:
             self._sock.unbind(self._address)
-            deadline = time.monotonic() + _UNBIND_WAIT
-            while monitor.poll(_deadline_ms(deadline)):
-                event = recv_monitor_message(monitor)
-                if event["event"] == zmq.EVENT_CLOSED and event["endpoint"] == self._address.encode():
-                    return
-            log.warning("listening socket %s not reported closed within %.1f s", self._address, _UNBIND_WAIT)
+            if not watch.wait_closed(self._address, _UNBIND_WAIT):
+                log.warning("listening socket %s not reported closed within %.1f s", self._address, _UNBIND_WAIT)
         except zmq.ZMQError as exc:
             log.debug("unbind %s: %s", self._address, exc)
         finally:
-            self._sock.disable_monitor()
-            monitor.close(linger=0)
+            watch.close()
 
     def _check_open(self) -> None:
         if self._closed:
