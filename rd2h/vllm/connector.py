@@ -24,7 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
+from rd2h.vllm.kv_groups import check_groups
 from rd2h.vllm.metadata import StepMetadata
+from rd2h.vllm.parallel import check_parallel, dp_rank_of
 from rd2h.vllm.scheduler import RD2HScheduler
 from rd2h.vllm.stats import RD2HStats, SchedulerTally, build_prom_metrics
 from rd2h.vllm.vouch import load_secret
@@ -99,7 +101,10 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
         parallel = vllm_config.parallel_config
         tp = int(parallel.tensor_parallel_size)
-        dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        check_parallel(parallel)  # pipeline parallel: refused at startup
+        dp_rank = dp_rank_of(parallel)  # the global DP rank (vLLM resets data_parallel_rank for dense DP)
+        # every KV cache group is pulled or the engine does not start (hybrid allocator, mamba...)
+        check_groups(kv_cache_config, self.rd2h_config.mode)
         sizes = _block_sizes(vllm_config, kv_cache_config)
         _check_topology(self.rd2h_config, tp, bool(getattr(vllm_config.model_config, "use_mla", False)))
         self._scheduler: RD2HScheduler | None = None
@@ -119,7 +124,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
             self._worker = self.worker_class(
                 self.rd2h_config, consumer=consumer, producer=producer, rank=get_tensor_model_parallel_rank(),
-                tp_size=tp, dp_rank=dp_rank, block_sizes=sizes,
+                tp_size=tp, dp_rank=dp_rank, block_sizes=sizes, kv_cache_config=kv_cache_config,
             )
 
     @property

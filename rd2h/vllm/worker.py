@@ -27,6 +27,7 @@ from rd2h.errors import ConfigError, DuplicateRequestError, RD2HError, UnknownRe
 from rd2h.outcome import Outcome, TerminalState
 from rd2h.tensors import LayerTensors, layer_layout, record_event
 from rd2h.vllm.config import ConnectorConfig, Mode
+from rd2h.vllm.kv_groups import check_groups, layers_to_pull
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
 from rd2h.vllm.stats import RD2HStats, WorkerTally
 from rd2h.wire.endpoint import DecodeEndpoint
@@ -100,8 +101,11 @@ class RD2HWorker:
         tp_size: int,
         dp_rank: int,
         block_sizes: Sequence[int],
+        kv_cache_config: Any = None,
     ) -> None:
         self.config = config
+        # vLLM's KV cache groups: registration refuses a layer no pulled group covers
+        self.kv_groups = check_groups(kv_cache_config, config.mode)
         self.consumer, self.producer = consumer, producer
         self.rank, self.tp_size, self.dp_rank = rank, tp_size, dp_rank
         self.block_sizes = tuple(block_sizes)
@@ -131,7 +135,8 @@ class RD2HWorker:
     def register(self, kv_caches: Mapping[str, Any], num_blocks: Mapping[str, int]) -> None:
         from rd2h.api import KVSink, KVSource
 
-        self._tensors = split_layers(kv_caches, num_blocks, self.config.mode)
+        pulled = layers_to_pull(self.kv_groups, kv_caches, self.config.mode)  # raises for a stray layer
+        self._tensors = split_layers({n: kv_caches[n] for n in pulled}, num_blocks, self.config.mode)
         layouts = {
             name: layer_layout(t, block_tokens=self.block_sizes[0], layout_name="vllm")
             for name, t in self._tensors.items()
