@@ -1,0 +1,142 @@
+"""Issue 19, item 3, on the Decode runtime: fds per unadmitted source are bounded.
+
+Real zmq on loopback, the real local engine, hostile peers in a process of their own. Before
+(cdf2a2f^) every connection cost Decode an fd for as long as its peer kept it open: 1,100
+refused peers took Decode from 27 to 1,129 fds, 1,000 connections that never send anything
+from 29 to 1,031. Now the listener keeps at most ``max_unadmitted_connections`` (256) that
+carry no admitted peer; the admitted Prefill's connection is never shut and its requests are
+read throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from test_sink_hostile_admission import Ended, Hostile, one_request
+from test_sink_limits import World
+from zmq.utils.monitor import recv_monitor_message
+
+from rd2h.clock import ManualClock
+from rd2h.decode.peer_limits import PeerLimits
+
+BOUND = 256  # the zmq channel's default max_unadmitted_connections
+SLACK = 64  # connections accepted and not yet seen, or shut and not yet closed by libzmq
+WAIT = 120.0
+
+# Connections that never send anything, kept open until stdin says so.
+_SILENT = r"""
+import resource, sys, zmq
+resource.setrlimit(resource.RLIMIT_NOFILE, (8192, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+ctx = zmq.Context()
+ctx.max_sockets = int(sys.argv[2]) + 16
+socks = []
+for _ in range(int(sys.argv[2])):
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(sys.argv[1])
+    socks.append(sock)
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def ended() -> Ended:
+    return Ended()
+
+
+@pytest.fixture
+def world(ended: Ended) -> Iterator[World]:
+    w = World(PeerLimits(), ManualClock(), on_handshake=ended)
+    w.sink.start()
+    yield w
+    w.close()
+
+
+class Admitted:
+    """An admitted Prefill whose connection is watched from its own side."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.sock = world.dealer()
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        world.handshake(self.sock)
+        self.requests = 0
+
+    def request(self) -> None:
+        self.requests += 1
+        one_request(self.world, self.sock, f"r{self.requests}", 3 + self.requests % 4)
+
+    def was_shut(self) -> bool:
+        while self.monitor.poll(0):
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                return True
+        return False
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+
+
+def bounded_while_attacked(world: World, good: Admitted, base: int, shut_at_least: int) -> int:
+    """Requests go through while the listener shuts what is over its bound; the most fds seen."""
+    listener = world.sink._listener
+    deadline = time.monotonic() + WAIT
+    while listener.connections_closed < shut_at_least:
+        assert time.monotonic() < deadline, (listener.connections_closed, listener.connections())
+        good.request()
+    peak = 0
+    for _ in range(20):  # the attackers reconnect by themselves: the bound holds throughout
+        good.request()
+        peak = max(peak, fds())
+    assert peak - base <= BOUND + SLACK, f"{base} -> {peak} fds"
+    assert listener.connections()["vouched"] == 1
+    assert not good.was_shut()
+    return peak
+
+
+def test_refused_peers_cost_a_bounded_number_of_fds(world: World, ended: Ended) -> None:
+    good = Admitted(world)
+    good.request()
+    base = fds()
+    hostile = Hostile("cheap", world.sink.address, 1100)
+    try:
+        assert hostile.ready.wait(WAIT)
+        # A burst past the bound itself shuts connections whatever their age, so some of these
+        # mf_metas may never arrive (a Prefill introducing itself then is read: see the docs)
+        ended.wait(BOUND, WAIT)
+        peak = bounded_while_attacked(world, good, base, 1100 - BOUND)
+        print(f"1,100 refused peers: Decode fds {base} -> {peak} (at most); {ended.count - 1} refused")
+    finally:
+        hostile.close()
+        good.close()
+
+
+def test_connections_that_never_speak_cost_a_bounded_number_of_fds(world: World) -> None:
+    good = Admitted(world)
+    good.request()
+    base = fds()
+    silent = subprocess.Popen(
+        [sys.executable, "-c", _SILENT, world.sink.address, "1000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert silent.stdout is not None and silent.stdout.readline().startswith("ready")
+        peak = bounded_while_attacked(world, good, base, 1000 - BOUND)
+        print(f"1,000 silent connections: Decode fds {base} -> {peak} (at most)")
+    finally:
+        assert silent.stdin is not None
+        silent.stdin.write("exit\n")
+        silent.stdin.flush()
+        silent.wait(30)
+        good.close()
