@@ -141,6 +141,9 @@ class LayerReader:
             admission = self._tracker.on_readiness(identity, batch, self._clock())
         if admission.meta_required:
             self.send(identity, protocol.ReadFailed.meta_required(batch.layer_idx))
+            # not introduced: its connection is among the first shut when strangers hold too
+            # many (a Prefill that introduces itself now is vouched for again on admission)
+            self._listener.disown(identity)
             return
         plan: LayerPlan | None = None
         read_seconds = 0.0

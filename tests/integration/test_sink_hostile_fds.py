@@ -24,6 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from rd2h.clock import ManualClock
 from rd2h.decode.peer_limits import PeerLimits
+from rd2h.wire import protocol
 
 BOUND = 256  # the zmq channel's default max_unadmitted_connections
 SLACK = 64  # connections accepted and not yet seen, or shut and not yet closed by libzmq
@@ -140,3 +141,19 @@ def test_connections_that_never_speak_cost_a_bounded_number_of_fds(world: World)
         silent.stdin.flush()
         silent.wait(30)
         good.close()
+
+
+def test_a_peer_that_speaks_without_introducing_itself_is_among_the_first_shut(world: World) -> None:
+    """A readiness before any mf_meta is answered 'mf_meta required' and its connection disowned;
+    once the peer introduces itself and is admitted, it is vouched for again."""
+    listener = world.sink._listener
+    sock = world.dealer()
+    req = protocol.ReadRequest("r", (0,), (0,), 0, 0)
+    sock.send(protocol.encode(protocol.ReadReadyBatch(0, "l0", (req,), ())))
+    assert sock.poll(int(WAIT * 1000)), "Decode did not reply"
+    reply = protocol.decode_reply(sock.recv_multipart()[-1])
+    assert isinstance(reply, protocol.ReadFailed)
+    assert listener.connections()["disowned"] == 1  # before the fix: 'undecided', shut after strangers
+    world.handshake(sock)
+    assert listener.connections()["disowned"] == 0 and listener.connections()["vouched"] == 1
+    sock.close(linger=0)
