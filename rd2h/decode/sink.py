@@ -305,6 +305,8 @@ class Sink:
                 "malformed", (self.rank, identity), "rank %d: dropped a malformed message from %r: %s",
                 self.rank, identity, exc,
             )  # fmt: skip
+            if identity not in self._peers:  # a stranger's garbage: its connection goes first
+                self._listener.disown(identity)
             return
         if isinstance(message, protocol.MfMeta):
             self._on_meta(identity, message)
