@@ -135,7 +135,7 @@ def test_a_prefill_is_admitted_in_its_own_proof_time_while_20_strangers_hang(wor
         started = time.monotonic()
         world.handshake(good)
         took = time.monotonic() - started
-        assert took < 5.0, f"admitted after {took:.1f} s"
+        assert took < 9.0, f"admitted after {took:.1f} s"  # under one stranger's 10 s proof: it waited for none
         ended.wait(17)  # counted just after the ACK is sent
         assert len(world.sink._engine.proofs) == 4  # the 4 still hang
         one_request(world, good, "r", 3)
