@@ -23,6 +23,7 @@ from rd2h.decode.rank_reads import StepReads
 from rd2h.decode.receive_tracker import Admission, ReceiveTracker
 from rd2h.errors import ChannelError, LayoutError, ProtocolError, RD2HError, wire_kind
 from rd2h.interfaces import Listener, Session, TransferEngine
+from rd2h.layout.heads import HeadViews
 from rd2h.layout.layers import LayerLayout
 from rd2h.layout.planning import LayerPlan, RequestRead
 from rd2h.layout.regions import RegionSet
@@ -126,7 +127,13 @@ class LayerReader:
         # what a step repeats on every layer is derived once per step
         self._plans = StepPlans()  # a plan is read before the next is built
         self._plans.learn(layers.values(), regions)
-        self._step_reads = StepReads(decode_rank=rank, decode_tp=tp_size, main_split=tracker.main_split)
+        # a dense GQA/MHA cache holds this rank's KV heads only: a peer of another TP size is
+        # read head range by head range (rd2h.layout.heads)
+        kv_heads = next((layout.heads.total for layout in layers.values() if layout.heads is not None), None)
+        self._heads = HeadViews(decode_tp=tp_size, decode_rank=rank)
+        self._step_reads = StepReads(
+            decode_rank=rank, decode_tp=tp_size, main_split=tracker.main_split, kv_heads=kv_heads
+        )
 
     def learn_peer(self, peer: AdmittedPeer) -> None:
         """Validate and describe a new peer's layouts now, not on the first layer of a step."""
@@ -151,10 +158,10 @@ class LayerReader:
         nbytes: dict[str, int] = {}
         try:
             if admission.readable:
-                plan, reads, failed = self._plan(identity, batch, admission)
+                plan, reads, failed, per_block = self._plan(identity, batch, admission)
             if plan is not None:
                 read_seconds = self._read(identity, plan, failed)
-                nbytes = self._step_reads.request_bytes(reads, self._block_bytes[batch.layer_name], failed)
+                nbytes = self._step_reads.request_bytes(reads, per_block, failed)
         except Exception as exc:  # noqa: BLE001 - the admitted requests fail, never the loop
             # a layout mismatch fails the whole layer before any read; anything unforeseen
             # (a defect) fails it too: the requests it admitted must not stay marked as read
@@ -210,20 +217,23 @@ class LayerReader:
 
     def _plan(
         self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission
-    ) -> tuple[LayerPlan, list[RequestRead], dict[str, RD2HError]]:
-        """This rank's reads of the readable requests, their descriptors and the requests
-        that cannot be read; raises for a layer-wide mismatch."""
+    ) -> tuple[LayerPlan, list[RequestRead], dict[str, RD2HError], tuple[int, int]]:
+        """This rank's reads of the readable requests, their descriptors, the requests
+        that cannot be read and the bytes a block id moves; raises for a layer-wide mismatch."""
         peer = self._peers[identity]  # admitted peers have a session
         src = peer.layers.get(batch.layer_name)
         dst = self._layers.get(batch.layer_name)
         if src is None or dst is None:
             side = "Prefill" if src is None else "Decode"
             raise LayoutError(f"layer {batch.layer_name!r} unknown on {side}")
+        whole = dst
+        src, dst = self._heads.pair(src, dst, batch.tp_ratio, batch.group_member_idx)
+        per_block = self._block_bytes[batch.layer_name] if dst is whole else _bytes_per_block(dst)
         key, reads, refused = self._step_reads.reads(identity, batch, admission.readable, admission.requests)
         plan = self._plans.build(
             key, src, dst, reads, src_regions=peer.regions, dst_regions=self._regions, layer_name=batch.layer_name
         )
-        return plan, reads, {**refused, **plan.failed}
+        return plan, reads, {**refused, **plan.failed}, per_block
 
     def _read(self, identity: bytes, plan: LayerPlan, failed: dict[str, RD2HError]) -> float:
         if not len(plan):

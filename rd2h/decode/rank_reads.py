@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rd2h.errors import BlockRangeError, RD2HError
+from rd2h.layout.heads import reads_heads
 from rd2h.layout.planning import RequestRead
 from rd2h.layout.topology import indexer_share, main_share
 from rd2h.wire import protocol
@@ -59,15 +60,21 @@ def plan_reads(
     decode_rank: int,
     decode_tp: int,
     main_split: MainSplit = MainSplit.SHARED,
+    kv_heads: int | None = None,
 ) -> tuple[list[RequestRead], dict[str, RD2HError]]:
     """This rank's share of every request in ``batch`` that has destinations (pure).
 
     Indexer and scale are split over the ``tp_ratio`` contributors. Main: in ``SHARED``
     mode only contributor 0 pulls, split over the Decode TP ranks; in ``REPLICATED`` mode
-    every rank reads all of it, split over the contributors like the indexer. Returns the
-    reads and, per request whose destinations are too short, the error.
+    every rank reads all of it, split over the contributors like the indexer, unless the
+    blocks are split by KV heads (``kv_heads``: the model's KV heads, a dense GQA/MHA cache):
+    then each contributor holds other heads of every block, so each gives every block (its
+    heads of it, ``rd2h.layout.heads``), and a replica of the contributor before it none.
+    Returns the reads and, per request whose destinations are too short, the error.
     """
     member, ratio = batch.group_member_idx, batch.tp_ratio
+    by_heads = main_split is MainSplit.REPLICATED and kv_heads is not None
+    gives_heads = by_heads and reads_heads(kv_heads, decode_tp, decode_rank, ratio, member)  # type: ignore[arg-type]
     reads: list[RequestRead] = []
     refused: dict[str, RD2HError] = {}
     for req in batch.read_reqs:
@@ -77,6 +84,8 @@ def plan_reads(
         n_main = len(req.main_block_ids)
         if main_split is MainSplit.SHARED:
             m_lo, m_hi = main_share(n_main, req.main_start_block, decode_tp, decode_rank, member)
+        elif by_heads:
+            m_lo, m_hi = 0, n_main if gives_heads else 0
         else:
             m_lo, m_hi = indexer_share(n_main, req.main_start_block, ratio, member)
         i_lo, i_hi = indexer_share(len(req.indexer_block_ids), req.indexer_start_block, ratio, member)
@@ -99,8 +108,11 @@ class StepReads:
     peer, not per layer. Not thread-safe: one per loop.
     """
 
-    def __init__(self, *, decode_rank: int, decode_tp: int, main_split: MainSplit, remembered: int = 8) -> None:
-        self._rank, self._tp, self._split = decode_rank, decode_tp, main_split
+    def __init__(
+        self, *, decode_rank: int, decode_tp: int, main_split: MainSplit, kv_heads: int | None = None,
+        remembered: int = 8,
+    ) -> None:
+        self._rank, self._tp, self._split, self._heads = decode_rank, decode_tp, main_split, kv_heads
         self._remembered = remembered
         self._reads: dict[Hashable, tuple[list[RequestRead], dict[str, RD2HError]]] = {}
         # (id of a step's reads, bytes per block) -> those reads (kept: the id stays theirs), bytes per request
@@ -121,7 +133,10 @@ class StepReads:
             key = (peer, batch.reqs_bytes, batch.group_member_idx, batch.tp_ratio, requests)
         found = None if key is None else self._reads.get(key)
         if found is None:
-            found = plan_reads(batch, readable, decode_rank=self._rank, decode_tp=self._tp, main_split=self._split)
+            found = plan_reads(
+                batch, readable, decode_rank=self._rank, decode_tp=self._tp, main_split=self._split,
+                kv_heads=self._heads,
+            )  # fmt: skip
             if key is not None:
                 self._reads[key] = found
                 while len(self._reads) > self._remembered:  # the latest steps of the latest peers

@@ -32,7 +32,7 @@ from rd2h.errors import (
 )
 from rd2h.layout.regions import Region
 
-__all__ = ["TensorLayout", "LayoutTag", "LayerLayout", "validate_layer"]
+__all__ = ["TensorLayout", "LayoutTag", "HeadSpan", "LayerLayout", "validate_layer"]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -126,6 +126,26 @@ class LayoutTag:
 
 
 @dataclass(frozen=True, slots=True)
+class HeadSpan:
+    """The KV heads ``[first, first + count)`` of a model of ``total`` KV heads that one TP
+    rank's blocks hold, in this order. Raises ``ValueError`` for a span outside ``total``."""
+
+    total: int
+    first: int
+    count: int
+
+    def __post_init__(self) -> None:
+        for name in ("total", "first", "count"):
+            object.__setattr__(self, name, operator.index(getattr(self, name)))
+        if self.count < 1 or self.first < 0 or self.end > self.total:
+            raise ValueError(f"invalid head span {self!r}")
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
+
+
+@dataclass(frozen=True, slots=True)
 class LayerLayout:
     """The tensors of one layer on one side (Prefill sources or Decode destinations).
 
@@ -136,6 +156,10 @@ class LayerLayout:
     indexer: TensorLayout | None = None
     scale: TensorLayout | None = None  # LIC8 scale: follows the indexer's block ids
     tag: LayoutTag | None = None  # what the blocks hold; None: not stated, not checked
+    # which of the model's KV heads this rank's main blocks hold (a dense GQA/MHA paged cache,
+    # heads outermost in a block): Decode then reads a peer of another TP size head range by
+    # head range (rd2h.layout.heads). Local to this process, never on the wire.
+    heads: HeadSpan | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "main", tuple(self.main))

@@ -69,16 +69,33 @@ def _log_like_vllm() -> None:
     ours.propagate = False
 
 
-def _check_topology(config: ConnectorConfig, tp: int, use_mla: bool) -> None:
-    """Dense mode copies vLLM's rank-local paged cache rank to rank: with GQA/MHA each rank
-    holds only its own heads, so the two sides' TP sizes must match. MLA's latent is the
-    same on every rank, so any ``p_tp % d_tp == 0`` or ``d_tp % p_tp == 0`` works."""
+def _kv_heads(model_config: Any) -> int | None:
+    """The model's KV heads where the paged cache is split by them (dense GQA/MHA); None for
+    MLA (one latent, the same on every rank) or a model config that does not say."""
+    if bool(getattr(model_config, "use_mla", False)):
+        return None
+    total = getattr(model_config, "get_total_num_kv_heads", None)
+    return int(total()) if callable(total) else None
+
+
+def _check_topology(config: ConnectorConfig, tp: int, kv_heads: int | None) -> None:
+    """What can be refused before any peer is seen (``peer_tp`` is the other side's TP, where
+    configured): the two TP sizes must divide one another, and with a GQA/MHA model
+    (``kv_heads``) the other side must split the KV heads as vLLM does (a multiple of its TP, or
+    its TP a multiple of them). Decode reads each block's head range from the Prefill ranks
+    that hold it (``rd2h.layout.heads``); MLA's latent is the same on every rank."""
     peer = config.peer_tp
-    if config.mode is Mode.DENSE and peer is not None and peer != tp and not use_mla:
-        raise ConfigError(
-            f"dense mode with a GQA/MHA model needs equal Prefill and Decode TP (each rank holds its own "
-            f"KV heads): this engine has TP {tp}, peer_tp is {peer}; use an MLA model, or equal TP"
-        )
+    if config.mode is not Mode.DENSE or peer is None or peer == tp:
+        return
+    from rd2h.layout.heads import check_heads
+    from rd2h.layout.topology import Topology
+
+    try:
+        Topology(peer, tp)  # the same check either way round
+        if kv_heads is not None:
+            check_heads(kv_heads, peer, "peer_tp's")
+    except ConfigError as exc:
+        raise ConfigError(f"this engine has TP {tp}, peer_tp is {peer}: {exc}") from None
 
 
 class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -106,7 +123,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # every KV cache group is pulled or the engine does not start (hybrid allocator, mamba...)
         check_groups(kv_cache_config, self.rd2h_config.mode)
         sizes = _block_sizes(vllm_config, kv_cache_config)
-        _check_topology(self.rd2h_config, tp, bool(getattr(vllm_config.model_config, "use_mla", False)))
+        kv_heads = _kv_heads(vllm_config.model_config)
+        _check_topology(self.rd2h_config, tp, kv_heads)
         self._scheduler: RD2HScheduler | None = None
         self._worker: RD2HWorker | None = None
         self._local = SchedulerTally()
@@ -125,6 +143,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._worker = self.worker_class(
                 self.rd2h_config, consumer=consumer, producer=producer, rank=get_tensor_model_parallel_rank(),
                 tp_size=tp, dp_rank=dp_rank, block_sizes=sizes, kv_cache_config=kv_cache_config,
+                kv_heads=kv_heads,
             )
 
     @property

@@ -102,8 +102,10 @@ class RD2HWorker:
         dp_rank: int,
         block_sizes: Sequence[int],
         kv_cache_config: Any = None,
+        kv_heads: int | None = None,
     ) -> None:
         self.config = config
+        self.kv_heads = kv_heads  # the model's KV heads (dense GQA/MHA); None: MLA, not split by heads
         # vLLM's KV cache groups: registration refuses a layer no pulled group covers
         self.kv_groups = check_groups(kv_cache_config, config.mode)
         self.consumer, self.producer = consumer, producer
@@ -138,7 +140,7 @@ class RD2HWorker:
         pulled = layers_to_pull(self.kv_groups, kv_caches, self.config.mode)  # raises for a stray layer
         self._tensors = split_layers({n: kv_caches[n] for n in pulled}, num_blocks, self.config.mode)
         layouts = {
-            name: layer_layout(t, block_tokens=self.block_sizes[0], layout_name="vllm")
+            name: self._with_heads(name, t, layer_layout(t, block_tokens=self.block_sizes[0], layout_name="vllm"))
             for name, t in self._tensors.items()
         }
         cfg = self.config
@@ -174,6 +176,30 @@ class RD2HWorker:
             "rd2h worker rank %d/%d: %d layers, mode %s, %s", self.rank, self.tp_size, len(layouts),
             cfg.mode.value, "decode" if self.consumer else "prefill",
         )
+
+    def _with_heads(self, name: str, tensors: LayerTensors, layout: Any) -> Any:
+        """The layout with the KV heads this rank's blocks hold, where a block holds them
+        outermost (vLLM's CPU cache ``[blocks, kv_heads, block_size, 2 * head_size]``): Decode
+        then reads a Prefill of another TP size head range by head range. Raises ConfigError
+        where heads are not outermost and the configured ``peer_tp`` differs from this TP."""
+        if self.kv_heads is None:
+            return layout
+        from dataclasses import replace
+
+        from rd2h.layout.heads import kv_heads_of
+
+        span = kv_heads_of(self.kv_heads, self.tp_size, self.rank)
+        if all(len(t.shape) > 2 and int(t.shape[1]) == span.count for t in tensors.main):
+            return replace(layout, heads=span)
+        peer = self.config.peer_tp
+        if peer is not None and peer != self.tp_size:
+            shapes = [tuple(t.shape) for t in tensors.main]
+            raise ConfigError(
+                f"layer {name!r}: a block of {shapes} does not hold this rank's {span.count} KV head(s) outermost "
+                f"(dimension 1), so head ranges of a block cannot be read between this engine's TP {self.tp_size} and "
+                f"peer_tp {peer}; use equal TP"
+            )
+        return layout
 
     # -- per step ------------------------------------------------------------------------
 
