@@ -1,8 +1,9 @@
 """This Decode rank's share of a readiness (pure): which blocks it reads, from where to where.
 
 All of it is decided on Decode (Prefill only announces): main K/V is split over the Decode TP
-ranks (``SHARED``: one pool, disjoint shares) or read whole by every rank (``REPLICATED``);
-indexer and LIC8 scale are split over the ``tp_ratio`` Prefill contributors, so every rank
+ranks (``SHARED``: one pool, disjoint shares) or read whole by every rank (``REPLICATED``;
+with a dense GQA/MHA cache each contributor gives its KV heads of every block, see
+``rd2h.layout.heads``); indexer and LIC8 scale are split over the ``tp_ratio`` Prefill contributors, so every rank
 gets a complete copy. See ``rd2h.layout.topology`` for the split rule itself.
 """
 

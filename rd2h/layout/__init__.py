@@ -2,6 +2,7 @@
 
 Layer layouts and their validation (``layers``), registered memory regions and vectorized
 range checks (``regions``), the tensor-parallel mapping, ports and work split (``topology``),
+KV heads over TP ranks and head ranges of blocks (``heads``),
 the descriptors of one layer's batched read (``planning``) and the plans of a step moved to
 each layer's addresses (``step_plans``), which blocks of a request a chunked-prefill step
 makes ready (``chunking``). Both sides use these; they import only ``rd2h.errors`` and each

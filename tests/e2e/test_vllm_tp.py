@@ -1,6 +1,6 @@
 """Prefill TP 2 -> Decode TP 2 on real vLLM engines: two workers on each side, each Decode
-rank pulling its own heads (dense GQA needs equal TP; Prefill TP 2 -> Decode TP 1 needs an
-MLA model, which the tiny test model is not)."""
+rank pulling its own heads, whole blocks (unequal TP with this GQA model, head ranges of
+blocks: test_vllm_gqa_tp.py)."""
 
 from __future__ import annotations
 
