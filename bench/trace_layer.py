@@ -1,6 +1,6 @@
 """Where a tiny layer's latency goes: timestamps along its path, Prefill and Decode in two processes.
 
-    python bench/trace_layer.py [--layers 400] [--json out.json]
+    python bench/trace_layer.py [--layers 400] [--channel zmq|tcp] [--json out.json]
 
 A Prefill process (``KVSource``) announces one-block layers through one slot, so one layer is
 in flight at a time, and a Decode process (``KVSink``) pulls them over zmq with the local
@@ -41,22 +41,24 @@ def _wrap(cls: Any, name: str, tag: str) -> None:
     setattr(cls, name, wrapped)
 
 
-def _prefill(port: int, layers: int, out: Any, go: Any) -> None:
+def _prefill(port: int, layers: int, out: Any, go: Any, channel: str = "zmq") -> None:
+    import importlib
+
     import numpy as np
 
     from rd2h.api import KVSource, LayerTensors, host_buffer
     from rd2h.prefill import gate, source
-    from rd2h_zmq import sockets
 
+    module, cls = {"zmq": ("rd2h_zmq.sockets", "ZmqDialer"), "tcp": ("rd2h_tcp.dialer", "TcpDialer")}[channel]
     _wrap(source.Source, "layer_ready", "P main: layer_ready")
     _wrap(source.Source, "_announce", "P source: announce")
-    _wrap(sockets.ZmqDialer, "send", "P source: zmq send")
+    _wrap(getattr(importlib.import_module(module), cls), "send", f"P source: {channel} send")
     _wrap(gate.SlotGate, "replied", "P source: gate released")
     _wrap(source.Source, "wait_for_layer_send", "P main: wait for slot")
     slot = [host_buffer((4, 64)), host_buffer((4, 16))]
     names = [f"layer.{i}" for i in range(layers)]
     tensors = {n: LayerTensors(main=[slot[0]], indexer=slot[1]) for n in names}
-    with KVSource(tensors, block_size=1) as src:
+    with KVSource(tensors, block_size=1, channel=channel) as src:
         src.add_request("r", source.DecodeEndpoint("127.0.0.1", port, 1), main_block_ids=[0], num_tokens=1)
         go.wait()
         src.schedule({"r": 1})
@@ -68,7 +70,7 @@ def _prefill(port: int, layers: int, out: Any, go: Any) -> None:
     out.put(("prefill", _EVENTS))
 
 
-def _decode(port: int, layers: int, out: Any, ready: Any) -> None:
+def _decode(port: int, layers: int, out: Any, ready: Any, channel: str = "zmq") -> None:
     from rd2h.api import KVSink, LayerTensors, host_buffer
     from rd2h.decode import layer_read, sink
 
@@ -78,20 +80,20 @@ def _decode(port: int, layers: int, out: Any, ready: Any) -> None:
     _wrap(layer_read.LayerReader, "send", "D sink: reply send")
     names = [f"layer.{i}" for i in range(layers)]
     tensors = {n: LayerTensors(main=[host_buffer((4, 64))], indexer=host_buffer((4, 16))) for n in names}
-    with KVSink(tensors, kv_port=port) as s:
+    with KVSink(tensors, kv_port=port, channel=channel) as s:
         s.expect("r", main_blocks=[1])
         ready.set()
         s.wait(["r"], 60)
     out.put(("decode", _EVENTS))
 
 
-def trace(layers: int, port: int = 7900) -> dict[str, float]:
+def trace(layers: int, port: int = 7900, channel: str = "zmq") -> dict[str, float]:
     """Median microseconds per step of a layer's path (the gap before each event), ordered
     by when the event comes in a cycle (one ``layer_ready`` to the next)."""
     ctx = mp.get_context("spawn")
     out, ready = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_decode, args=(port, layers, out, ready)),
-             ctx.Process(target=_prefill, args=(port, layers, out, ready))]
+    procs = [ctx.Process(target=_decode, args=(port, layers, out, ready, channel)),
+             ctx.Process(target=_prefill, args=(port, layers, out, ready, channel))]
     for p in procs:
         p.start()
     got = dict(out.get(timeout=120) for _ in procs)
@@ -116,13 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=400)
     parser.add_argument("--port", type=int, default=7900)
+    parser.add_argument("--channel", default="zmq", help="control channel: zmq or tcp")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import pingpong
 
     before = pingpong.measure(1000)["p50_us"]
-    steps = trace(args.layers, args.port)
+    steps = trace(args.layers, args.port, args.channel)
     after = pingpong.measure(1000)["p50_us"]
     bare = statistics.median([before, after])
     print(f"median us per step of a one-block layer ({args.layers} layers; a step ends at the event named)")

@@ -74,7 +74,8 @@ class TcpListener(Listener):
 
     Counters: ``dropped`` replies; ``refused`` connections closed for what they sent (not an
     rd2h tcp peer, a frame over ``max_frame_bytes``, an empty frame); ``connections_closed``
-    closed to bound the connections of peers Decode did not admit."""
+    closed to bound the connections of peers Decode did not admit; ``paused``: times a peer's
+    reading stopped because ``max_queued_bytes`` of its frames waited for ``recv``."""
 
     def __init__(self, settings: Settings, address: str, parsed: Address) -> None:
         self._settings = settings
@@ -82,6 +83,7 @@ class TcpListener(Listener):
         self.dropped = 0
         self.refused = 0
         self.connections_closed = 0
+        self.paused = 0  # times a peer's reading was paused, its max_queued_bytes waiting for recv
         self._unix_path: str | None = None
         self._unix_inode = 0
         sock = socket.socket(parsed.family, socket.SOCK_STREAM)
@@ -237,7 +239,8 @@ class TcpListener(Listener):
         if not conn.in_ready:
             conn.in_ready = True
             self._ready.append(conn)
-        if conn.queued >= self._settings.max_queued_bytes:
+        if conn.queued >= self._settings.max_queued_bytes and conn.mask & select.EPOLLIN:
+            self.paused += 1
             self._set_mask(conn, conn.mask & ~_IN)  # read again once recv took half of it
 
     # -- sending -------------------------------------------------------------------------

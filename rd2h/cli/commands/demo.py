@@ -41,6 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         metavar="KEY=VALUE", help="an engine option for Prefill ranks only, over --engine-option")
     parser.add_argument("--decode-option", type=engine_option, action="append", default=[],
                         metavar="KEY=VALUE", help="an engine option for Decode ranks only, over --engine-option")
+    parser.add_argument("--channel", default="zmq", help="control channel (see `rd2h backends`): zmq (default) or tcp")
     parser.add_argument("--channel-option", type=engine_option, action="append", default=[],
                         metavar="KEY=VALUE", help="a control-channel option (repeatable), e.g. allow_insecure=true")
     parser.add_argument("--host", default="127.0.0.1", help="address Decode binds and Prefill dials")
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         kv_port=args.kv_port, seed=args.seed, timeout=args.timeout, host=args.host,
         prefill_netns=args.prefill_netns, decode_netns=args.decode_netns,
         prefill_engine_options=dict(args.prefill_option), decode_engine_options=dict(args.decode_option),
-        channel_options=dict(args.channel_option),
+        channel=args.channel, channel_options=dict(args.channel_option),
     )
     result = run_demo(config, progress=None if args.json else Progress())
     if args.json:

@@ -111,7 +111,7 @@ def _prefill(config: DemoConfig, rank: int, events: Any, go: Any) -> dict[str, A
     with KVSource(
         layers, block_size=config.block_size, rank=rank, tp_size=config.prefill_tp,
         engine=config.engine, engine_options=config.options_for("prefill"), reply_timeout=config.timeout,
-        channel_options=dict(config.channel_options),
+        channel=config.channel, channel_options=dict(config.channel_options),
     ) as source:
         for req in work.requests:
             source.add_request(req.ext_id, endpoint, main_block_ids=req.src_blocks, num_tokens=req.num_tokens)
@@ -210,7 +210,7 @@ def _decode_into(config: DemoConfig, rank: int, pool: memoryview, events: Any, g
     }
     with KVSink(
         layers, rank=rank, tp_size=config.decode_tp, host=config.host, kv_port=config.kv_port,
-        engine=config.engine, engine_options=config.options_for("decode", len(os.sched_getaffinity(0))), channel_options=dict(config.channel_options),
+        engine=config.engine, engine_options=config.options_for("decode", len(os.sched_getaffinity(0))), channel=config.channel, channel_options=dict(config.channel_options),
     ) as sink:
         for req in work.requests:
             sink.expect(req.ext_id, main_blocks=req.dst_blocks)

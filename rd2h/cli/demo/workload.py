@@ -54,6 +54,7 @@ class DemoConfig:
     decode_netns: str = ""
     prefill_engine_options: dict[str, object] = field(default_factory=dict)
     decode_engine_options: dict[str, object] = field(default_factory=dict)
+    channel: str = "zmq"  # the control channel's name (rd2h.control_channels)
     channel_options: dict[str, object] = field(default_factory=dict)  # e.g. CURVE keys off loopback
 
     def __post_init__(self) -> None:

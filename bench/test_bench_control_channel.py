@@ -1,0 +1,26 @@
+"""bench/control_channel.py once at a tiny size, as a correctness test: every arm completes (the
+demos verify every byte) and the JSON holds a ratio per arm. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import control_channel
+import pingpong
+
+
+def test_socket_pingpong_round_trips() -> None:
+    result = pingpong.measure_socket(50)
+    assert result["rounds"] == 50 and 0 < result["p50_us"] <= result["p99_us"]
+
+
+def test_every_arm_runs_and_is_held_against_the_zmq_pingpong(tmp_path: Path) -> None:
+    out = tmp_path / "control_channel.json"
+    assert control_channel.main(["--rounds", "1", "--messages", "20", "--layers", "8", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    arms = {"zmq ping-pong", "socket ping-pong", "channel zmq", "channel tcp", "layer zmq", "layer tcp"}
+    assert set(summary) == arms
+    assert summary["zmq ping-pong"]["over_zmq_pingpong"] == 1.0
+    assert all(s["p50_us"] > 0 for s in summary.values())
+    assert summary["layer tcp"]["over_layer_zmq"] > 0
