@@ -1,6 +1,6 @@
 """``rd2h demo`` against its limits, measured in one run, interleaved round by round.
 
-    python bench/end_to_end.py [--rounds 3] [--baseline /path/to/old/checkout] [--json out.json]
+    python bench/end_to_end.py [--rounds 3] [--baseline /path/to/old/checkout] [--channel tcp] [--json out.json]
 
 Each round runs, in this order:
 
@@ -42,7 +42,7 @@ def demo(args: list[str], port: int, checkout: str | None) -> dict[str, Any]:
     env = dict(os.environ)
     if checkout:
         root = Path(checkout)
-        env["PYTHONPATH"] = os.pathsep.join(str(root / p) for p in ("", "backends/local", "backends/zmq"))
+        env["PYTHONPATH"] = os.pathsep.join(str(root / p) for p in ("", "backends/local", "backends/zmq", "backends/tcp"))
     cmd = [sys.executable, "-m", "rd2h.cli", "demo", "--json", "--prefill-tp", "1", "--decode-tp", "1",
            "--kv-port", str(port), *args]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600, cwd="/")
@@ -68,20 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", help="an older checkout to run the demos from as well")
     parser.add_argument("--skip-big", action="store_true", help="only the tiny-layer control path")
+    parser.add_argument("--channel", default="zmq", help="control channel of the demos (a baseline needs it too)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     trees = {"now": None, **({"baseline": args.baseline} if args.baseline else {})}
     rounds: list[dict[str, Any]] = []
     port = 7300
+    channel = [] if args.channel == "zmq" else ["--channel", args.channel]
     for n in range(args.rounds):
         row: dict[str, Any] = {"pingpong": pingpong.measure(2000)}
         for label, tree in trees.items():
             port += 2
-            row[f"tiny {label}"] = demo(TINY, port, tree)
+            row[f"tiny {label}"] = demo([*TINY, *channel], port, tree)
         if not args.skip_big:
             for label, tree in trees.items():
                 port += 2
-                row[f"big {label}"] = demo(BIG, port, tree)
+                row[f"big {label}"] = demo([*BIG, *channel], port, tree)
             big = row["big now"]
             row["standalone"] = standalone(big["bytes"] / (big["layers"] * big["steps"]) / 2**20, 3)
         rounds.append(row)
