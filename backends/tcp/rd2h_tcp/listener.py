@@ -70,7 +70,9 @@ class TcpListener(Listener):
     """Bound at construction. ``recv`` yields ``(identity, payload)`` in turn from every peer
     with frames waiting; ``send`` replies and never blocks: a reply the peer's socket buffer
     has no room for waits here (``high_water_mark`` frames, ``max_queued_bytes``), and beyond
-    that is dropped, counted in ``dropped`` and raised as ``ChannelError``.
+    that is dropped, counted in ``dropped`` and raised as ``ChannelError``. Held replies are
+    written by this listener's own calls (``recv`` when the socket drains, the next ``send``):
+    there is no thread to write them while nobody calls it.
 
     Counters: ``dropped`` replies; ``refused`` connections closed for what they sent (not an
     rd2h tcp peer, a frame over ``max_frame_bytes``, an empty frame); ``connections_closed``
@@ -252,7 +254,11 @@ class TcpListener(Listener):
         conn = self._peers.get(peer)
         if conn is None:
             raise ChannelError(f"peer {peer!r} is not connected to {self._address}")
-        if conn.out:  # earlier replies still wait: keep the order
+        if conn.out:  # earlier replies still wait: they go first, as far as the socket takes them
+            self._flush(conn)
+            if conn.closed:
+                raise ChannelError(f"peer {peer!r} on {self._address} is gone")
+        if conn.out:
             self._hold(conn, peer, memoryview(data))
             return
         try:
