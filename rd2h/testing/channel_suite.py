@@ -51,6 +51,12 @@ def wait_for(poll: Callable[[], T | None], within: float, step: float = 0.05) ->
         time.sleep(step)
 
 
+def until(condition: Callable[[], bool], within: float = 30.0, step: float = 0.01) -> bool:
+    """:func:`wait_for` for a condition another thread brings about (a counter, a count of
+    fds): whether it held within ``within`` seconds."""
+    return wait_for(lambda: True if condition() else None, within, step) is not None
+
+
 class ChannelConformance:
     """The ControlChannel contract, as pytest tests (collected through a ``Test*`` subclass)."""
 

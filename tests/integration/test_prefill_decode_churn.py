@@ -6,8 +6,6 @@ never slept on."""
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 
 from layers import layer_tensors
 from rd2h_zmq import ZmqChannel
@@ -17,6 +15,7 @@ from rd2h.api import KVSink
 from rd2h.clock import ManualClock
 from rd2h.prefill.source import Source
 from rd2h.tensors import layer_layout
+from rd2h.testing.channel_suite import until
 
 BLOCK = 16
 DECODES = 8
@@ -28,15 +27,6 @@ IDLE = 60.0
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
-
-def _until(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
-    """Wait (bounded) for a state another thread reaches: the sender loop, zmq's I/O thread."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _serve(source: Source, kv_port: int, ext_id: str) -> object:
@@ -65,7 +55,7 @@ def test_prefill_forgets_decodes_gone_quiet_and_dials_one_that_comes_back(kv_por
         # the first dial starts the dialer's zmq I/O and reaper threads (their fds stay): warm up
         assert (_serve(source, kv_port, "first") == src.main[0][1]).all()
         clock.advance(IDLE)
-        assert _until(lambda: source.endpoints == 0), source.endpoints
+        assert until(lambda: source.endpoints == 0), source.endpoints
         baseline = _fds()
         for i in range(DECODES):
             assert (_serve(source, kv_port + i, f"r{i}") == src.main[0][1]).all()
@@ -74,12 +64,12 @@ def test_prefill_forgets_decodes_gone_quiet_and_dials_one_that_comes_back(kv_por
         held = _fds() - baseline
         assert held >= DECODES, f"{held} fds for {DECODES} dialled Decodes"  # the control: a socket each
         clock.advance(REPLY_TIMEOUT)  # over the cap: least recently used first, down to it
-        assert _until(lambda: source.endpoints == KEPT), source.endpoints
+        assert until(lambda: source.endpoints == KEPT), source.endpoints
         # a kept socket: its mailbox, and a TCP fd while it tries to reconnect to its stopped Decode
-        assert _until(lambda: _fds() - baseline <= 2 * KEPT), (held, _fds() - baseline)
+        assert until(lambda: _fds() - baseline <= 2 * KEPT), (held, _fds() - baseline)
         clock.advance(IDLE)  # past the idle time: none is kept
-        assert _until(lambda: source.endpoints == 0), source.endpoints
-        assert _until(lambda: _fds() <= baseline), (baseline, _fds())
+        assert until(lambda: source.endpoints == 0), source.endpoints
+        assert until(lambda: _fds() <= baseline), (baseline, _fds())
         # the first Decode comes back on its address: dialled again, introduced again, read
         assert (_serve(source, kv_port, "back") == src.main[0][1]).all()
         assert source.endpoints == 1

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from rd2h.decode.sink import Sink
 from rd2h.errors import ChannelError
 from rd2h.quiet_log import quiet
 from rd2h.tensors import layer_layout
+from rd2h.testing.channel_suite import until
 from rd2h.wire import protocol
 from rd2h.wire.endpoint import DecodeEndpoint
 
@@ -29,15 +28,6 @@ FLOOD = 5000
 GARBAGE = b"\xc1"  # a byte msgpack never uses: a malformed message, cheap to decode
 _MORE = re.compile(r"\(and (\d+) more like this in the last [\d.]+ s\)")
 
-
-def _until(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
-    """Wait (bounded) for a state another thread reaches."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def _reported(records: list[logging.LogRecord], text: str) -> tuple[int, int]:
@@ -68,11 +58,11 @@ def test_a_flood_of_malformed_frames_to_decode_logs_two_lines_and_their_count(
         dealer.connect(f"tcp://127.0.0.1:{kv_port}")
         for _ in range(FLOOD):
             dealer.send(GARBAGE)
-        assert _until(lambda: sink.counters.malformed == FLOOD)
+        assert until(lambda: sink.counters.malformed == FLOOD)
         assert _reported(caplog.records, "malformed message") == (1, 1)  # was one line per frame
         clock.advance(sink_log.interval)
         dealer.send(GARBAGE)  # the next one after the interval carries the count
-        assert _until(lambda: sink.counters.malformed == FLOOD + 1)
+        assert until(lambda: sink.counters.malformed == FLOOD + 1)
     lines, occurrences = _reported(caplog.records, "malformed message")
     # the loop's flush may write the count before the next frame does: 2 or 3 lines, never more
     assert lines in (2, 3) and occurrences == FLOOD + 1
@@ -89,10 +79,10 @@ def test_decode_writes_the_count_of_a_flood_that_ended_without_another_warning(
         dealer.connect(f"tcp://127.0.0.1:{kv_port}")
         for _ in range(FLOOD):
             dealer.send(GARBAGE)
-        assert _until(lambda: sink.counters.malformed == FLOOD)
+        assert until(lambda: sink.counters.malformed == FLOOD)
         clock.advance(sink_log.interval)  # the flood is over; nothing else is ever logged
         # the loop flushes on its liveness cadence: the count arrives without a new warning
-        assert _until(lambda: _reported(caplog.records, "malformed message") == (2, FLOOD))
+        assert until(lambda: _reported(caplog.records, "malformed message") == (2, FLOOD))
 
 
 def test_a_flood_of_malformed_replies_to_prefill_is_logged_with_its_count(
@@ -119,10 +109,10 @@ def test_a_flood_of_malformed_replies_to_prefill_is_logged_with_its_count(
                         break
                     except ChannelError:  # Prefill sends nothing now: this only waits for it to drain
                         listener.recv(0.001)
-            assert _until(lambda: source.counters["malformed"] == FLOOD)
+            assert until(lambda: source.counters["malformed"] == FLOOD)
             assert _reported(caplog.records, "malformed") == (1, 1)
             clock.advance(30.0)  # past the log interval, inside the reply timeout
-            assert _until(lambda: _reported(caplog.records, "malformed")[1] == FLOOD)
+            assert until(lambda: _reported(caplog.records, "malformed")[1] == FLOOD)
             assert _reported(caplog.records, "malformed")[0] == 2
             listener.send(peer, protocol.encode(protocol.ReadDone(0)))  # the flood cost no request
             assert source.wait_finished(["r"], 10)["r"].ok
@@ -144,7 +134,7 @@ def test_a_flood_of_multipart_messages_to_a_zmq_listener_logs_two_lines_and_thei
             dealer.send_multipart([b"one", b"two"])  # not our framing: dropped by the channel
         dealer.send(b"last")
         received = []
-        assert _until(lambda: received.append(listener.recv(0.05)) or received[-1] is not None)
+        assert until(lambda: received.append(listener.recv(0.05)) or received[-1] is not None)
         assert received[-1][1] == b"last"
         assert _reported(caplog.records, "expected one payload frame") == (1, 1)
         clock.advance(channel_log.interval)
@@ -177,7 +167,7 @@ def test_replies_dropped_for_a_peer_that_never_reads_log_two_lines_and_their_cou
             dealer.send(readiness)
             sent += 1
         dealer.send(GARBAGE)  # handled after every readiness before it: then the count is final
-        assert _until(lambda: sink.counters.malformed == 1)
+        assert until(lambda: sink.counters.malformed == 1)
         assert listener.dropped >= 2000
         assert _reported(caplog.records, "could not reply") == (1, 1)  # was one line per dropped reply
         clock.advance(sink_log.interval)

@@ -25,6 +25,7 @@ from rd2h.clock import ManualClock
 from rd2h.decode import admission
 from rd2h.decode.peer_limits import PeerLimits
 from rd2h.outcome import TerminalState
+from rd2h.testing.channel_suite import until
 from rd2h.wire import protocol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -175,10 +176,8 @@ def test_frames_held_during_handshakes_have_one_budget_and_memory_returns(world:
         for hostile in hostiles:
             assert hostile.ready.wait(120)
             hostile.wait_accepted(4)
-        deadline = time.monotonic() + 120
-        held = world.sink._admissions
-        while held.dropped < 8 * 32 - (admission.MAX_HELD_TOTAL >> 20) and time.monotonic() < deadline:
-            time.sleep(0.05)  # frames still arriving over loopback (a state polled, with a deadline)
+        held = world.sink._admissions  # frames still arriving over loopback: a state polled, bounded
+        until(lambda: held.dropped >= 8 * 32 - (admission.MAX_HELD_TOTAL >> 20), 120, 0.05)
         assert held.dropped >= 8 * 32 - (admission.MAX_HELD_TOTAL >> 20), held.dropped
         assert held.held_bytes <= admission.MAX_HELD_TOTAL
         during = rss_mb()

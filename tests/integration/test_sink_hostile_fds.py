@@ -24,6 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from rd2h.clock import ManualClock
 from rd2h.decode.peer_limits import PeerLimits
+from rd2h.testing.channel_suite import until
 from rd2h.wire import protocol
 
 BOUND = 256  # the zmq channel's default max_unadmitted_connections
@@ -170,11 +171,10 @@ def test_a_stranger_sending_garbage_is_disowned_and_an_admitted_peer_is_not(worl
     stranger = world.dealer()
     for sock in (stranger, good):
         sock.send(b"\xc1")  # a byte msgpack never uses
-    deadline = time.monotonic() + WAIT
     # the loop counts a malformed frame, then disowns its sender: wait for both (bounded)
-    while world.sink.counters.malformed < 2 or listener.connections().get("disowned") != 1:
-        assert time.monotonic() < deadline, listener.connections()
-        time.sleep(0.005)
+    assert until(lambda: world.sink.counters.malformed == 2 and listener.connections().get("disowned") == 1, WAIT), (
+        listener.connections()
+    )
     assert listener.connections()["vouched"] == 1  # the admitted peer's garbage disowns nothing
     for sock in (stranger, good):
         sock.close(linger=0)

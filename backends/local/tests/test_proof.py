@@ -24,6 +24,7 @@ from rd2h_local import LocalEngine, _metadata, _proof, _sys
 
 from rd2h.errors import TransferError
 from rd2h.interfaces import Region
+from rd2h.testing.channel_suite import until
 from rd2h.testing.peer import PeerProcess
 
 I64 = np.int64
@@ -189,7 +190,6 @@ def test_witness_caps_its_readers(monkeypatch):
 
     src = np.ones(4096, dtype=np.uint8)
     witness = _proof.Witness(lambda: [(src.ctypes.data, src.nbytes)], max_readers=2)
-    import time
 
     try:
         proofs = [_proof.verify(witness.name, witness.token, os.getpid(), time.monotonic() + 5) for _ in range(2)]
@@ -205,7 +205,6 @@ def test_witness_caps_its_readers(monkeypatch):
 def test_the_socket_name_alone_earns_nothing(monkeypatch):
     """The proof socket's name is visible to every process (/proc/net/unix). A process that
     finds it but lacks the token from the metadata gets no regions and no ptrace grant."""
-    import time
 
     from rd2h_local import _proof
 
@@ -320,18 +319,14 @@ def test_proofs_waiting_are_bounded_per_process_and_in_all(decode):
         for _ in range(2):
             runs.append(_connect_in_thread(engine, silent.blob()))
             assert silent.accepted.acquire(timeout=10)
-        deadline = time.monotonic() + 10
-        while len(engine.proofs) < 2 and time.monotonic() < deadline:  # both entered
-            time.sleep(0.01)
+        assert until(lambda: len(engine.proofs) == 2, 10), len(engine.proofs)  # both entered
         third = _connect_in_thread(engine, silent.blob())
         assert silent.accepted.acquire(timeout=10)
         runs[0][0].join(5)  # cut short: well before the engine's 30 s bound
         assert not runs[0][0].is_alive() and "cut short" in str(runs[0][1][0]), runs[0][1]
         assert engine.proofs.cut == 1 and runs[1][0].is_alive() and third[0].is_alive()
         engine.proofs.max_waiting = 10
-        deadline = time.monotonic() + 10
-        while len(engine.proofs) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert until(lambda: len(engine.proofs) == 2, 10), len(engine.proofs)  # the third entered
         runs.append(_connect_in_thread(engine, silent.blob()))
         assert silent.accepted.acquire(timeout=10)
         refused = _connect_in_thread(engine, silent.blob())  # the fourth of this process
