@@ -8,7 +8,8 @@ Each subcommand is a module in ``rd2h.cli.commands`` with two functions::
 and is listed once in ``COMMANDS``. Command modules are imported to build the parser, so
 they import anything heavy inside ``run``.
 
-An ``RD2HError`` escaping a command prints one line, ``rd2h: error: ...``, and exits 2;
+A command with ``--json`` finds ``args.json_out``: the only stream that reaches stdout (see
+``rd2h.cli.json_stdout``). An ``RD2HError`` escaping a command prints one line, ``rd2h: error: ...``, and exits 2;
 ``--debug`` shows the traceback instead.
 """
 
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from rd2h import __version__
+from rd2h.cli.json_stdout import reserve_stdout_for_json
 from rd2h.errors import RD2HError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -52,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
+    if getattr(args, "json", False):
+        args.json_out = reserve_stdout_for_json()
     try:
         return int(args._run(args))
     except RD2HError as exc:

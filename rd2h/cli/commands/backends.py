@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +25,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rd2h.cli.json_stdout import write_json
     from rd2h.plugins import list_backends
 
     backends = list_backends()
     if args.json:
-        json.dump([dataclasses.asdict(b) for b in backends], sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        write_json(args.json_out, [dataclasses.asdict(b) for b in backends], indent=2)
     elif not backends:
         print("no backends installed; the defaults are: pip install rd2h-zmq rd2h-local")
     else:

@@ -4,7 +4,6 @@ interleaved in one run, on an SFA and a dense layout; JSON and plots in a result
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -14,6 +13,7 @@ from typing import Any
 
 from rd2h import plugins
 from rd2h.cli.commands.demo import engine_option
+from rd2h.cli.json_stdout import write_json
 
 _SHORT = {"layer_mib": 2.0, "repeat": 3}
 _FULL = {"layer_mib": 8.0, "repeat": 5}
@@ -151,8 +151,7 @@ def run(args: argparse.Namespace) -> int:
     path = write_results(args.out, report)
     plots = [] if args.no_plots else plot_cases(args.out, results)
     if args.json:
-        json.dump(report, sys.stdout)
-        sys.stdout.write("\n")
+        write_json(args.json_out, report)
     else:
         m = report["machine"]
         print(f"rd2h bench on {m['cpu']}, {m['nproc']} CPUs, Linux {m['kernel']}, THP {m['transparent_hugepage']}")

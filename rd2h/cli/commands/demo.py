@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 
@@ -60,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from rd2h.cli.demo.report import Progress, format_result
     from rd2h.cli.demo.runner import run_demo
     from rd2h.cli.demo.workload import DemoConfig
+    from rd2h.cli.json_stdout import write_json
 
     config = DemoConfig(
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, layers=args.layers, requests=args.requests,
@@ -72,8 +72,7 @@ def run(args: argparse.Namespace) -> int:
     )
     result = run_demo(config, progress=None if args.json else Progress())
     if args.json:
-        json.dump(result.to_json(), sys.stdout)
-        sys.stdout.write("\n")
+        write_json(args.json_out, result.to_json())
     else:
         print(format_result(result))
     return 0 if result.verified else 1

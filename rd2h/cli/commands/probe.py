@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import json
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from rd2h.cli.commands.demo import engine_option
+from rd2h.cli.json_stdout import write_json
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -53,14 +50,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {'PASS' if result.ok else 'FAIL'}  {result.name:<13} {result.seconds:6.2f} s  {result.detail}",
               flush=True)
 
+    report = run_probe(config, progress=None if args.json else show)
     if args.json:
-        with _stdout_is_stderr():
-            report = run_probe(config)
-    else:
-        report = run_probe(config, progress=show)
-    if args.json:
-        json.dump(report.to_json(), sys.stdout)
-        sys.stdout.write("\n")
+        write_json(args.json_out, report.to_json())
     else:
         print(f"bandwidth: {'not measured' if report.gbps is None else f'{report.gbps:.2f} GB/s'}")
         failed = sum(not c.ok for c in report.checks)
@@ -75,20 +67,3 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(status)
     return status
-
-
-@contextlib.contextmanager
-def _stdout_is_stderr() -> Iterator[None]:
-    """Point file descriptor 1 at stderr meanwhile: native engine libraries print to stdout
-    (memfabric does), and with --json stdout must hold the JSON object alone."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).fflush(None)  # C stdio buffers still bound for the old target
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
