@@ -35,6 +35,8 @@ from rd2h.layout.layers import LayerLayout
 from rd2h.layout.topology import base_port, decode_ports
 from rd2h.outcome import Outcome, TerminalState
 from rd2h.prefill.source import DecodeEndpoint, Source
+from rd2h.staging.decode_landing import DecodeLanding
+from rd2h.staging.prefill_mirror import PrefillMirror, StagedSource
 from rd2h.tensors import LayerTensors, host_buffer, layer_layout, record_event, tensor_layout
 
 __all__ = [
@@ -50,6 +52,9 @@ __all__ = [
     "layer_layout",
     "record_event",
     "host_buffer",
+    "PrefillMirror",
+    "StagedKVSource",
+    "DecodeLanding",
 ]
 
 log = logging.getLogger("rd2h.api")
@@ -81,7 +86,8 @@ class KVSink(Sink):
     address peers route to. ``main_split``, ``request_timeout``, ``peer_limits``: see
     :class:`~rd2h.decode.sink.Sink`. The zmq channel refuses a host other than loopback without
     CurveZMQ keys in ``channel_options`` unless they say ``allow_insecure=True``
-    (docs/security.md).
+    (docs/security.md). ``landing``: device destinations the engine cannot write are read
+    into its host buffer and copied to the device (:class:`DecodeLanding`).
     """
 
     def __init__(
@@ -102,6 +108,7 @@ class KVSink(Sink):
         main_split: MainSplit | str = MainSplit.SHARED,
         request_timeout: float | None = 300.0,
         peer_limits: PeerLimits | None = None,
+        landing: DecodeLanding | None = None,
     ) -> None:
         ports = decode_ports(kv_port, dp_rank, tp_size)  # validates the highest port too
         if not 0 <= rank < tp_size:
@@ -114,6 +121,8 @@ class KVSink(Sink):
             )
         self.endpoint = DecodeEndpoint(advertised, base_port(kv_port, dp_rank, tp_size), tp_size)
         transfer = plugins.load_engine(engine, "decode", **dict(engine_options or {}))
+        if landing is not None:  # device destinations through host staging (rd2h.staging)
+            transfer = landing.wrap(transfer)
         with _closed_on_error(transfer):
             listener = plugins.load_channel(channel, **dict(channel_options or {})).listen(
                 f"tcp://{host}:{ports[rank]}"
@@ -162,3 +171,9 @@ class KVSource(Source):
                     max_endpoints=max_endpoints,
                 )
         self.start()
+
+
+class StagedKVSource(StagedSource, KVSource):
+    """A :class:`KVSource` over device tensors an engine cannot read: built with
+    ``mirror=PrefillMirror(layers, blocks_per_slot=...)`` in place of ``layers``, otherwise
+    the same options; the engine registers the mirror (:mod:`rd2h.staging.prefill_mirror`)."""
