@@ -25,6 +25,7 @@ from typing import Any
 
 from rd2h.errors import ConfigError, DuplicateRequestError, RD2HError, UnknownRequestError
 from rd2h.outcome import Outcome, TerminalState
+from rd2h.staging.choice import WorkerStaging
 from rd2h.tensors import LayerTensors, layer_layout, record_event
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.kv_groups import check_groups, layers_to_pull
@@ -144,21 +145,22 @@ class RD2HWorker:
             for name, t in self._tensors.items()
         }
         cfg = self.config
+        staging = WorkerStaging(self._tensors, layouts, cfg.engine)  # KV the engine cannot move: host staging
         if self.consumer:
             split = "replicated" if cfg.mode is Mode.DENSE else "shared"
             self.sink = KVSink(
                 layouts, rank=self.rank, tp_size=self.tp_size, host=cfg.host, kv_port=cfg.kv_port,
                 dp_rank=self.dp_rank, engine=cfg.engine, engine_options=cfg.engine_options,
                 channel=cfg.channel, channel_options=cfg.channel_options, advertise_host=cfg.advertise_host,
-                main_split=split, request_timeout=cfg.request_timeout,
+                main_split=split, request_timeout=cfg.request_timeout, **staging.sink_options(),
             )
             self.tally.watch(self.sink)
         if self.producer:
             extra: dict[str, Any] = {}
             if len(self.block_sizes) > 1 and _accepts(KVSource, "indexer_block_size"):
                 extra["indexer_block_size"] = self.block_sizes[1]
-            self.source = KVSource(
-                layouts, block_size=self.block_sizes[0], rank=self.rank, tp_size=self.tp_size,
+            self.source = staging.source(
+                KVSource, block_size=self.block_sizes[0], rank=self.rank, tp_size=self.tp_size,
                 engine=cfg.engine, engine_options=cfg.engine_options, channel=cfg.channel,
                 channel_options=cfg.channel_options, reply_timeout=cfg.reply_timeout,
                 reuse_slots=False,  # a block is the request's until finished-sending: nothing waits
