@@ -33,6 +33,11 @@ class SlotGate:
         with self._cond:
             return self._notify(self._table.replied(layer_idx, endpoint))
 
+    def free(self, slots: Iterable[Hashable]) -> bool:
+        """Whether every slot is FREE now (never blocks)."""
+        with self._cond:
+            return self._table.check(tuple(slots))
+
     def wait(self, slots: Iterable[Hashable], timeout: float) -> None:
         """Block until every slot is FREE.
 

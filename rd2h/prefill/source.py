@@ -14,7 +14,8 @@ The source is a thin loop: every request and endpoint lives in a pure
 :class:`~rd2h.prefill.send_tracker.SendTracker`, the storage slots in a :class:`~rd2h.prefill.gate.SlotGate`.
 A background sender (owned by the source) waits for each layer's event, asks the tracker
 what to send, sends it, and feeds every reply back; a layer written without an event is
-announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``).
+announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``), and
+a caller waiting for its slots reads the replies itself (:mod:`rd2h.prefill.reply_turn`).
 A Decode endpoint that does not reply within ``reply_timeout`` (on the injectable
 ``clock``) is abandoned: its slots are released and the requests it held fail with
 ReplyTimeout. Failures belong to the requests
@@ -23,8 +24,8 @@ uses are closed and forgotten after a bound (``endpoint_idle_seconds``, ``max_en
 Warnings about what a Decode sends are limited per Decode and reason, with counts
 (:mod:`rd2h.quiet_log`).
 
-Blocking calls (``wait_finished``, ``wait_for_layer_send``, ``close``) bound how long the
-caller's thread blocks in real time; protocol timeouts and outcome times use ``clock``.
+Blocking calls bound how long the caller's thread blocks in real time; protocol timeouts and
+outcome times use ``clock``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from rd2h.clock import Clock, monotonic
@@ -45,6 +47,7 @@ from rd2h.layout.layers import LayerLayout
 from rd2h.layout.regions import merge_by_device
 from rd2h.outcome import Outcome
 from rd2h.prefill.gate import SlotGate
+from rd2h.prefill.reply_turn import ReplyTurn
 from rd2h.prefill.send_tracker import Effects, SendTracker, Step
 from rd2h.quiet_log import QuietLog
 from rd2h.wire import protocol
@@ -95,6 +98,8 @@ class Source:
     source. ``inline_announce``: a layer whose KV is written (``layer_ready`` without an
     event) is announced on the calling thread when the dialer allows concurrent sends and
     no earlier layer is queued; False sends everything from the sender thread.
+    ``caller_reads_replies``: ``wait_for_layer_send`` reads Decode's replies on the calling
+    thread (with ``concurrent_send``; :mod:`rd2h.prefill.reply_turn`); False: the sender's only.
     ``reuse_slots``: logical layers share physical buffers, so a layer waits for its slots
     (``wait_for_layer_send``) until every Decode endpoint answered the layer that used them
     last. False where every block stays the request's until it is finished (vLLM's paged
@@ -120,6 +125,7 @@ class Source:
         reply_timeout: float = 30.0,
         poll_seconds: float = 0.05,
         inline_announce: bool = True,
+        caller_reads_replies: bool = True,
         reuse_slots: bool = True,
         clock: Clock = monotonic,
         endpoint_idle_seconds: float = 300.0,
@@ -154,6 +160,8 @@ class Source:
         self._step, _ = self._tracker.schedule({}, clock())
         self._queue: queue.SimpleQueue[_Task | object] = queue.SimpleQueue()
         self._inline = inline_announce and dialer.concurrent_send
+        self._turn = ReplyTurn(dialer, idle_seconds=poll_seconds)
+        self._caller_reads = caller_reads_replies and dialer.concurrent_send and self._gate is not None
         self._order = threading.Lock()  # guards _queued: layers queued and not yet announced
         self._queued = 0
         self._thread: threading.Thread | None = None
@@ -212,7 +220,7 @@ class Source:
             self._step, problems = self._tracker.schedule(computed_tokens, self._clock())
             self._lock.notify_all()
         if problems:
-            self._dialer.wakeup()  # a failed request's notice goes out from the sender thread
+            self._turn.wake()  # a failed request's notice goes out from the sender thread
         for ext_id, error in problems.items():
             log.warning("Prefill rank %d: request %r not scheduled: %s", self.rank, ext_id, error)
         return problems
@@ -227,7 +235,17 @@ class Source:
             self._index_of(layer_name)
             return
         bound = self._reply_timeout + 5.0 if timeout is None else timeout
-        self._gate.wait(self._slots(layer_name), bound)
+        slots = self._slots(layer_name)
+        if not self._caller_reads:
+            self._gate.wait(slots, bound)
+            return
+        deadline = time.monotonic() + bound
+        gate = self._gate
+        while not gate.free(slots):  # the replies wake this thread, not the sender's; bounded by the
+            left = deadline - time.monotonic()  # poll: a slot the sender thread freed (expiry) is seen
+            if left <= 0:
+                gate.wait(slots, 0)  # raises GateTimeout naming the busy slots
+            self._turn.caller_turn(min(left, self._poll), self._on_reply, partial(gate.free, slots))
 
     def layer_ready(self, layer_name: str, event: _Event | None = None) -> None:
         """The layer's KV is written (or will be once ``event`` completes): announce it.
@@ -253,7 +271,7 @@ class Source:
             except Exception:  # as on the sender thread: the compute path never gets a peer's error
                 log.exception("Prefill rank %d: error announcing layer %r", self.rank, layer_name)
         else:
-            self._dialer.wakeup()
+            self._turn.wake()
 
     def send_all(self, computed_tokens: Mapping[str, int]) -> dict[str, RD2HError]:
         """One step whose KV is already written for every layer: announce all layers.
@@ -278,6 +296,7 @@ class Source:
         """
         ids = list(ext_ids)
         deadline = time.monotonic() + timeout
+        self._turn.give_back()  # the replies that settle them are read by the sender thread
         with self._lock:
             while (found := self._tracker.collect(ids)) is None:
                 remaining = deadline - time.monotonic()
@@ -293,6 +312,7 @@ class Source:
     def wait_any(self, timeout: float) -> bool:
         """Block until some request ended and is not taken, ``timeout`` seconds at most;
         whether one did. Consumes nothing."""
+        self._turn.give_back()
         with self._lock:
             return self._lock.wait_for(lambda: self._tracker.settled() > 0, timeout)
 
@@ -304,7 +324,7 @@ class Source:
             found = self._tracker.abort(ext_id, self._clock())
             self._lock.notify_all()
         if found:
-            self._dialer.wakeup()  # its notice goes out from the sender thread
+            self._turn.wake()  # its notice goes out from the sender thread
         return found
 
     @property
@@ -328,9 +348,10 @@ class Source:
     def close(self) -> None:
         """Stop the sender once the queued layers are announced and answered (each bounded
         by the reply timeout), then close the dialer and the engine. Idempotent."""
+        self._turn.give_back()
         if self._thread is not None:
             self._queue.put(_STOP)
-            self._dialer.wakeup()
+            self._turn.wake()
             self._thread.join(self._reply_timeout * 2 + 5.0)
             if self._thread.is_alive():
                 log.error("Prefill rank %d: sender did not stop; closing under it", self.rank)
@@ -377,9 +398,7 @@ class Source:
                         with self._order:
                             self._queued -= 1
                 else:
-                    item = self._dialer.recv(self._poll)
-                    if item is not None:
-                        self._on_reply(*item)
+                    self._turn.sender_turn(self._poll, self._on_reply)
                 self._expire()
                 self._quiet.flush()  # counts of warnings whose interval ended
             except Exception:  # the loop must outlive any one failure, or every wait times out
@@ -443,8 +462,7 @@ class Source:
                 self._released(self._gate.replied(layer_idx, address), layer_idx)
 
     def _tell(self, notices: list[tuple[str, bytes]]) -> None:
-        """Send how requests ended; nothing waits for these, so a failure is only logged
-        (Decode then fails the request at its deadline)."""
+        """Send how requests ended; a failure is only logged (Decode fails them at their deadline)."""
         for address, frame in notices:
             try:
                 self._dialer.send(address, frame)
@@ -478,7 +496,5 @@ class Source:
             with self._lock:
                 if not self._tracker.has_in_flight():
                     return
-            item = self._dialer.recv(self._poll)
-            if item is not None:
-                self._on_reply(*item)
+            self._turn.sender_turn(self._poll, self._on_reply)
             self._expire()
