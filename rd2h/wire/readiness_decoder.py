@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 
 from rd2h.errors import RemoteProtocolError
+from rd2h.wire.fields import INT_END
 from rd2h.wire.protocol import _READ_READY_BATCH, ReadReadyBatch, ReadRequest, Request, _set, decode_request
 
 __all__ = ["ReadinessDecoder"]
@@ -31,8 +32,14 @@ class ReadinessDecoder:
     def __init__(self, remembered: int = 8) -> None:
         self._remembered = remembered
         self._known: dict[bytes, tuple[ReadRequest, ...]] = {}  # insertion order = age
+        # the latest readiness decoded in full, cut around its layer fields: a frame that
+        # starts and ends with the same bytes differs only in them (see _repeat)
+        self._last: _Shape | None = None
 
     def decode(self, data: bytes) -> Request:
+        repeat = self._repeat(data)
+        if repeat is not None:
+            return repeat
         split = _split_readiness(data)
         if split is None:  # not a plain readiness, or malformed: the full decoder says why
             return decode_request(data)
@@ -48,12 +55,66 @@ class ReadinessDecoder:
             except (TypeError, ValueError) as exc:
                 raise RemoteProtocolError(f"read_ready_batch: {exc}") from exc
         _set(message, "reqs_bytes", reqs_bytes)
+        self._last = _Shape.of(data, head, message)
+        return message
+
+    def _repeat(self, data: bytes) -> ReadReadyBatch | None:
+        """The next layer of the latest step, decoded from its two layer fields alone.
+
+        Every layer of a step sends the same bytes before ``layer_idx`` (array header and
+        tag) and after ``layer_name`` (the requests and the fields after them). A frame that
+        starts and ends with those bytes, with exactly an int and a string between, is that
+        readiness for another layer: msgpack objects follow one another without separators, so
+        the full decoder would read the same fields. Anything else: None (decoded in full).
+        """
+        last = self._last
+        if last is None or type(data) is not bytes:
+            return None
+        end = len(data) - len(last.suffix)
+        if end <= len(last.prefix) or not (data.startswith(last.prefix) and data.endswith(last.suffix)):
+            return None
+        try:
+            layer_idx, layer_name = msgpack.unpackb(
+                b"\x92" + data[len(last.prefix):end], use_list=False, raw=False, max_ext_len=0
+            )
+        except Exception:  # noqa: BLE001 - not two objects: the full decoder says what it is
+            return None
+        if type(layer_idx) is not int or not 0 <= layer_idx < INT_END or type(layer_name) is not str or not layer_name:
+            return None
+        # the other fields were checked with the first layer: no __post_init__ (4 of 5 us here)
+        message = _new_batch(ReadReadyBatch)
+        for put, value in zip(_SETTERS, (layer_idx, layer_name, *last.fields)):
+            put(message, value)
         return message
 
     def _remember(self, reqs_bytes: bytes, reqs: tuple[ReadRequest, ...]) -> None:
         self._known[reqs_bytes] = reqs
         while len(self._known) > self._remembered:
             del self._known[next(iter(self._known))]
+
+
+_FIELDS = ("layer_idx", "layer_name", "read_reqs", "done_ext_ids", "group_member_idx", "tp_ratio", "reqs_bytes")
+_SETTERS = tuple(getattr(ReadReadyBatch, name).__set__ for name in _FIELDS)  # the slots' own descriptors
+_new_batch = object.__new__
+
+
+class _Shape:
+    """A decoded readiness cut around its layer fields: the bytes before ``layer_idx``, the
+    bytes after ``layer_name`` and the decoded fields those bytes hold."""
+
+    __slots__ = ("prefix", "suffix", "fields")
+
+    def __init__(self, prefix: bytes, suffix: bytes, fields: tuple[Any, ...]) -> None:
+        self.prefix, self.suffix, self.fields = prefix, suffix, fields
+
+    @staticmethod
+    def of(data: bytes, head: tuple[Any, ...], message: ReadReadyBatch) -> _Shape | None:
+        prefix = data[: 1 + len(msgpack.packb(head[0]))]  # array header (one byte: <= 15 fields) + tag
+        layer = msgpack.packb(head[1]) + msgpack.packb(head[2])
+        if data[0] & 0xF0 != 0x90 or data[len(prefix): len(prefix) + len(layer)] != layer:
+            return None  # not the usual encoding: no shortcut
+        fields = (message.read_reqs, message.done_ext_ids, message.group_member_idx, message.tp_ratio, message.reqs_bytes)
+        return _Shape(prefix, data[len(prefix) + len(layer):], fields)
 
 
 def _split_readiness(data: object) -> tuple[tuple[Any, ...], bytes, tuple[Any, ...]] | None:

@@ -62,3 +62,49 @@ def test_other_messages_and_bad_small_fields_are_refused_as_decode_request_does(
         decoder.decode(bad_member)
     with pytest.raises(RemoteProtocolError):
         decoder.decode(p.encode(p.ReadDone(3)))
+
+
+def _raw_readiness(layer_idx: object, layer_name: object, read_reqs: list, tail: tuple) -> bytes:
+    """A readiness as msgpack, any field values (decode_request judges them)."""
+    wire = [(r.ext_req_id, r.main_block_ids, r.indexer_block_ids, r.main_start_block, r.indexer_start_block) for r in read_reqs]
+    return msgpack.packb((b"read_ready_batch", layer_idx, layer_name, wire, *tail))
+
+
+layer_fields = st.tuples(
+    st.integers(0, 2**63 - 1) | st.integers(-3, 300) | st.floats(allow_nan=False) | st.none(),
+    st.text(max_size=8) | st.binary(max_size=4) | st.integers(0, 3),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(reqs, st.sampled_from([(), ((), 0, 1), (("a",), 1, 2), ((), 0, 1, "extension")]), st.lists(layer_fields, min_size=2, max_size=6), st.data())
+def test_the_layers_of_one_step_decode_as_decode_request_does(
+    read_reqs: list, tail: tuple, layers: list, data: st.DataObject
+) -> None:
+    """Frames that repeat a step's bytes around other layer fields (the shortcut's case),
+    valid or not, mutated or not: the same answer as decode_request."""
+    decoder = ReadinessDecoder()
+    for layer_idx, layer_name in layers:
+        frame = _raw_readiness(layer_idx, layer_name, read_reqs, tail)
+        if data.draw(st.booleans()):
+            i = data.draw(st.integers(0, len(frame) - 1))
+            frame = frame[:i] + bytes([data.draw(st.integers(0, 255))]) + frame[i + 1:]
+        assert _outcome(decoder.decode, frame) == _outcome(p.decode_request, frame)
+
+
+def test_the_next_layer_of_a_step_is_decoded_from_its_layer_fields_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rd2h.wire import readiness_decoder
+
+    packed = p.pack_read_reqs([p.ReadRequest("r", (1, 2), (1, 2), 0, 0)])
+    decoder = ReadinessDecoder()
+    first = decoder.decode(p.encode_readiness(0, "l0", packed))
+
+    def no_full_parse(data: object) -> None:
+        raise AssertionError("the readiness was parsed in full")
+
+    monkeypatch.setattr(readiness_decoder, "_split_readiness", no_full_parse)
+    second = decoder.decode(p.encode_readiness(17, "layers.17.attn", packed))
+    assert second == p.decode_request(p.encode_readiness(17, "layers.17.attn", packed))
+    assert second.read_reqs is first.read_reqs and second.reqs_bytes == packed
+    with pytest.raises(AssertionError, match="in full"):  # another step's requests: parsed in full
+        decoder.decode(p.encode_readiness(1, "l1", p.pack_read_reqs([p.ReadRequest("s", (3,), (3,), 0, 0)])))
