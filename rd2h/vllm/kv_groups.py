@@ -2,34 +2,46 @@
 
 vLLM hands a connector its ``KVCacheConfig``: one ``KVCacheGroupSpec`` per group of layers
 sharing a block table, each with a ``kv_cache_spec`` (full attention, MLA, sliding window,
-mamba state...) and the layers' names. A request's block ids come per group. The connector
-pulls group 0's block ids into every layer it registered (``dense``), plus group 1 as the
-indexer in ``sfa`` mode. With vLLM's hybrid allocator the other groups' layers share their
-tensors with group 0's layers and use other block ids: registering them under group 0's ids
-would read the wrong blocks, and skipping them (as a shared tensor) would leave them unpulled
-with no error. So a group the connector does not pull is refused at startup, naming its kind
-and layers, and never reaches a request.
+mamba state...) and the layers' names. A request's block ids come per group, all drawn from
+one block pool. ``sfa`` mode pulls group 0 as main KV and group 1 as the indexer. ``dense``
+mode pulls every group whose kind it transfers: full attention, MLA and sliding window.
+
+vLLM's hybrid allocator (full + sliding-window layers) overlays the groups in one allocation:
+the i-th layer of each group views the same bytes (a *storage slot*), each group using the
+block ids it owns. So one slot read with every group's block ids moves each of its layers'
+KV; the worker registers slots, not layers (:func:`storage_slots`), and a request's source
+and destination lists are its groups' lists laid end to end (:func:`gather_blocks`). A
+sliding-window group keeps only the blocks its window still reads: vLLM frees the others
+(``null_block``, id 0); the blocks pulled are those vLLM allocated on Decode for the tokens
+it loads (:func:`pull_ranges`). A group of any other kind (mamba / linear-attention state,
+chunked local, ...) is refused at startup, naming its kind and layers, and never reaches a
+request.
 
 Pure: reads vLLM's objects by their attributes and class names, imports no vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import Mode
 
-__all__ = ["GroupInfo", "check_groups", "layers_to_pull", "describe_groups", "spec_kind"]
+__all__ = [
+    "GroupInfo", "check_groups", "layers_to_pull", "describe_groups", "spec_kind", "pulls_groups",
+    "transfer_tokens", "pull_ranges", "gather_blocks", "storage_slots", "NULL_BLOCK",
+]  # fmt: skip
 
 INDEXER_SUFFIX = ".indexer.k_cache"
 
-# Specs whose blocks hold a token's KV at the position the block table says, every block of
-# the prompt allocated: what the connector pulls. Exact class names: a subclass may allocate
-# differently (RSWASpec, SinkFullAttentionSpec...) and is refused until it is tested.
-_PULLABLE = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+# Specs whose blocks hold a token's KV at the position the block table says: what the
+# connector pulls (a sliding window only the blocks its window keeps). Exact class names: a
+# subclass may allocate differently (RSWASpec, SinkFullAttentionSpec, SlidingWindowMLASpec...)
+# and is refused until it is tested.
+_PULLABLE = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec"})
+NULL_BLOCK = 0  # vLLM's null_block: the block id of a position a group no longer holds
 
 # The name users know a spec by, most specific class first (its MRO is searched in order).
 _KIND_NAMES = {
@@ -78,6 +90,12 @@ def _pullable(spec: Any) -> bool:
     return all(type(one).__name__ in _PULLABLE for one in _inner_specs(spec))
 
 
+def _window(spec: Any) -> int:
+    if type(spec).__name__ != "SlidingWindowSpec":
+        return 0
+    return int(getattr(spec, "sliding_window", 0) or 0)
+
+
 @dataclass(frozen=True)
 class GroupInfo:
     index: int
@@ -86,6 +104,8 @@ class GroupInfo:
     block_size: int
     transfers: bool  # False: vLLM rebuilds it after a load (enable_kv_transfer), nothing to pull
     pullable: bool
+    window: int = 0  # a sliding window's tokens (0: the group keeps every block)
+    retained: int = 0  # tokens kept below the window (vLLM's extra_retained_tokens)
 
 
 def describe_groups(kv_cache_config: Any) -> list[GroupInfo]:
@@ -98,6 +118,7 @@ def describe_groups(kv_cache_config: Any) -> list[GroupInfo]:
                 index=index, kind=spec_kind(spec), layers=tuple(group.layer_names),
                 block_size=int(getattr(spec, "block_size", 0) or 0),
                 transfers=bool(getattr(group, "enable_kv_transfer", True)), pullable=_pullable(spec),
+                window=_window(spec), retained=int(getattr(spec, "extra_retained_tokens", 0) or 0),
             )
         )  # fmt: skip
     return infos
@@ -109,12 +130,109 @@ def _short(layers: Sequence[str], limit: int = 4) -> str:
 
 
 def _pulled(infos: list[GroupInfo], mode: Mode) -> set[int]:
-    """Indices of the groups whose block ids the connector sends: group 0 (main KV), and in
-    ``sfa`` mode group 1 when it is the indexer's."""
+    """Indices of the groups whose block ids the connector sends: in ``dense`` mode every
+    group but a sparse indexer's (those of a kind it does not transfer are refused by
+    check_groups); in ``sfa`` mode group 0 (main KV) and group 1 when it is the indexer's."""
+    if mode is Mode.DENSE:
+        return {info.index for info in infos if not _indexer(info)}
     pulled = {0} if infos else set()
-    if mode is Mode.SFA and len(infos) > 1 and all(n.endswith(INDEXER_SUFFIX) for n in infos[1].layers):
+    if len(infos) > 1 and _indexer(infos[1]):
         pulled.add(1)
     return pulled
+
+
+def _indexer(info: GroupInfo) -> bool:
+    return bool(info.layers) and all(n.endswith(INDEXER_SUFFIX) for n in info.layers)
+
+
+def pulls_groups(infos: list[GroupInfo], mode: Mode) -> list[GroupInfo]:
+    """The groups a request's block ids are pulled for in ``dense`` mode with several groups
+    (vLLM's hybrid allocator: the scheduler side knows only their count), in vLLM's order,
+    leaving out those vLLM rebuilds itself; [] otherwise (one group, or ``sfa``)."""
+    if mode is not Mode.DENSE or len(infos) < 2:
+        return []
+    return [info for info in infos if info.transfers]
+
+
+def transfer_tokens(num_prompt_tokens: int) -> int:
+    """The prompt tokens whose KV moves with several groups: all but the last, which Decode
+    computes (vLLM recomputes it after a load anyway). Decode's vLLM then keeps, in a
+    sliding-window group, the window of that last token: loading every token would let it
+    free the block holding the window's first token (it frees for the *next* token)."""
+    return max(0, num_prompt_tokens - 1)
+
+
+def _skipped_tokens(info: GroupInfo, tokens: int) -> int:
+    """vLLM's ``SlidingWindowManager.get_num_skipped_tokens``: tokens before the window of the
+    next token, whose blocks it frees."""
+    if not info.window:
+        return 0
+    return max(0, tokens - info.window + 1 - info.retained)
+
+
+def pull_ranges(groups: Sequence[GroupInfo], tokens: int, first_token: int) -> list[tuple[int, int]]:
+    """Per group, the block positions ``[start, end)`` that move for a request whose first
+    ``tokens`` tokens are pulled, Decode holding the first ``first_token`` of them already (its
+    prefix-cache hit): from the first position the group keeps (a window frees the ones before)
+    or the hit, to the last block the tokens reach. Both sides compute the same ranges."""
+    ranges = []
+    for info in groups:
+        size = info.block_size
+        end = -(-tokens // size)
+        start = max(_skipped_tokens(info, tokens) // size, first_token // size)
+        ranges.append((min(start, end), end))
+    return ranges
+
+
+def gather_blocks(
+    groups: Sequence[GroupInfo], blocks: Sequence[Sequence[int]], tokens: int, first_token: int, *, decode: bool
+) -> list[int]:
+    """One request's block ids of every pulled group, laid end to end in group order: what
+    a storage slot is read with (Prefill) or written into (Decode). Raises ValueError where
+    vLLM's allocation is not what the ranges say: a block to pull that the group does not
+    hold (``null_block`` or missing) and, on Decode (``decode``), a position before a window
+    that still holds a block (vLLM would read it; nothing writes it)."""
+    if len(blocks) < len(groups):
+        raise ValueError(f"block ids for {len(blocks)} KV cache groups, {len(groups)} pulled")
+    flat: list[int] = []
+    for info, (start, end) in zip(groups, pull_ranges(groups, tokens, first_token)):
+        ids = blocks[info.index]
+        where = f"group {info.index} ({info.kind})"
+        if len(ids) < end:
+            raise ValueError(f"{where}: {len(ids)} blocks for {tokens} tokens of {info.block_size}")
+        held = ids[start:end]
+        if NULL_BLOCK in held:
+            raise ValueError(f"{where}: position {start + list(held).index(NULL_BLOCK)} to pull holds no block")
+        kept = _skipped_tokens(info, tokens) // info.block_size
+        if decode and any(b != NULL_BLOCK for b in ids[:kept]):
+            raise ValueError(f"{where}: blocks before the window (positions < {kept}) are allocated")
+        flat.extend(int(b) for b in held)
+    return flat
+
+
+def _layer_index(name: str) -> int | None:
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    return numbers[0] if len(numbers) == 1 else None
+
+
+def storage_slots(storage: Mapping[str, int], groups: Sequence[GroupInfo]) -> dict[str, tuple[str, ...]]:
+    """``{slot name: member layers}``: the pulled layers grouped by the storage they view
+    (``storage``: layer name -> its cache's address), in the order the forward finishes them
+    (by the highest layer index among a slot's members, vLLM's ``layers.N`` naming), each named
+    after its first member. A slot's KV is complete in a step once each member was saved."""
+    order = {name: i for i, name in enumerate(storage)}
+    members: dict[int, list[str]] = {}
+    for info in groups:
+        for name in info.layers:
+            if name in storage:
+                members.setdefault(storage[name], []).append(name)
+
+    def finished_at(names: list[str]) -> tuple[int, int]:
+        indices = [_layer_index(n) for n in names]
+        last = max((i for i in indices if i is not None), default=-1)
+        return (last, max(order[n] for n in names))
+
+    return {names[0]: tuple(names) for names in sorted(members.values(), key=finished_at)}
 
 
 def check_groups(kv_cache_config: Any, mode: Mode) -> list[GroupInfo]:
@@ -131,7 +249,9 @@ def check_groups(kv_cache_config: Any, mode: Mode) -> list[GroupInfo]:
         if info.index not in pulled:
             problems.append(f"group {info.index} ({info.kind}, {len(info.layers)} layers: {_short(info.layers)}) "
                             f"has block ids of its own that rd2h {mode.value} mode does not pull")  # fmt: skip
-        elif not info.pullable and not (mode is Mode.SFA and info.index == 1):
+        elif not (info.pullable and (mode is Mode.DENSE or not info.window)) and not (
+            mode is Mode.SFA and info.index == 1
+        ):
             problems.append(f"group {info.index} ({info.kind}, {len(info.layers)} layers: {_short(info.layers)}) "
                             "is a KV cache kind rd2h does not transfer")  # fmt: skip
     if problems:

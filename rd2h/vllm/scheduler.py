@@ -29,6 +29,9 @@ of posting a rendezvous). A hand-off that cannot happen is logged and counted: r
 (``refused_params``), a Prefill without ``handoff_port`` (``no_handoff``), an ask refused or
 unanswered (``handoff_failed``: the pull is stopped and vLLM's ``kv_load_failure_policy``
 decides, ``recompute`` computes it here).
+
+Several KV cache groups (``dense``, the hybrid allocator): Decode loads all prompt tokens but the
+last (:mod:`rd2h.vllm.kv_groups`); Prefill sends every group's blocks at once, with its last tokens.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rd2h.layout.topology import base_port
-from rd2h.vllm.config import ConnectorConfig
+from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.handoff import HANDOFF_LEG, Handoff, accept_handoff, ask_fields, ask_urls, handoff_params
+from rd2h.vllm.kv_groups import transfer_tokens
 from rd2h.vllm.metadata import (
     WORKER_REPORTS,
     Groups,
@@ -80,11 +84,9 @@ class _Recv:
     ext_id: str
     body: dict[str, Any]
     posted: bool = False
-    # a vLLM without worker reports: the step that carried it came back (on every worker:
-    # vLLM gathers all workers' outputs before this update)
+    # a vLLM without worker reports: the step that carried it came back (from every worker)
     sent_to_workers: bool = False
-    # workers that said they expect it, summed over steps: a worker's report may come back
-    # with a later step than another's, and a per-step count would then never reach the world
+    # workers that said they expect it, summed over steps (reports of one step come back apart)
     reported: int = 0
     handoff: Handoff | None = None  # vLLM's convention: ask these Prefill ranks, post nothing
 
@@ -95,7 +97,7 @@ class _Send:
     num_tokens: int
     started: bool = False  # its first blocks went to the workers
     done: bool = False  # every prompt token was scheduled
-    pending: list[Groups] = field(default_factory=list)
+    pending: list[list[int]] | None = None  # several groups: its blocks so far
 
 
 class RD2HScheduler:
@@ -123,6 +125,7 @@ class RD2HScheduler:
         self.config = config
         self.consumer, self.producer = consumer, producer
         self.block_sizes = tuple(block_sizes)
+        self._whole = config.mode is Mode.DENSE and len(self.block_sizes) > 1
         self.world_size = world_size
         self._secret, self._clock = secret, clock
         self._prefix_caching = prefix_caching  # samples > 0 reuse sample 0's pull through it
@@ -190,7 +193,7 @@ class RD2HScheduler:
             return 0, False
         if not self._claim(request.request_id, ext_id):
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = self._loaded(len(request.prompt_token_ids or ())) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def _match_handoff(self, request: Any, raw: Mapping[str, Any], num_computed: int) -> tuple[int | None, bool]:
@@ -217,8 +220,12 @@ class RD2HScheduler:
         self._used[handoff.ext_id] = None
         while len(self._used) > 4096:
             self._used.popitem(last=False)
-        count = len(tokens) - num_computed
+        count = self._loaded(len(tokens)) - num_computed
         return (count, True) if count > 0 else (0, False)
+
+    def _loaded(self, prompt_tokens: int) -> int:
+        """The prompt tokens Decode loads: all, or all but the last with several groups."""
+        return transfer_tokens(prompt_tokens) if self._whole else prompt_tokens
 
     def _claim(self, req_id: str, ext_id: str) -> bool:
         """Claim ``ext_id`` for ``req_id``; False (logged, counted: the request is computed here)
@@ -247,7 +254,7 @@ class RD2HScheduler:
         if ext_id is None:
             return
         num_tokens = len(request.prompt_token_ids)
-        local = num_tokens - num_external_tokens  # a block-aligned local prefix-cache hit
+        local = self._loaded(num_tokens) - num_external_tokens  # a block-aligned local prefix-cache hit
         first_block = local // self.block_sizes[0]
         groups = tuple(
             g[: _blocks_for(num_tokens, size)] for g, size in zip(_groups(blocks), self.block_sizes)
@@ -348,21 +355,26 @@ class RD2HScheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             send = self._send.get(new.req_id)
-            if send is None or send.started:
+            if send is None or send.started or send.pending is not None:
+                continue
+            groups = _groups(new.block_ids)
+            tokens = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            if self._whole:  # several groups: gathered, sent whole with its last tokens
+                send.pending = [list(g) for g in groups]
+                self._send_whole(new.req_id, send, tokens, send_new, computed)
                 continue
             send.started = True
-            groups = _groups(new.block_ids)
             send_new += [
                 SendSpec(t.ext_id, new.req_id, str(t.endpoint), groups, send.num_tokens, t.first_block)
                 for t in send.targets
             ]
-            computed += self._computed(send, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            computed += self._computed(send, tokens)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         send_abort: list[str] = []
         for i, req_id in enumerate(cached.req_ids):
             send = self._send.get(req_id)
-            if send is None or send.done or not send.started:
+            if send is None or send.done or not (send.started or send.pending is not None):
                 continue
             if req_id in resumed:
                 # preempted: vLLM freed its blocks and gives it new ones; what was announced
@@ -371,9 +383,15 @@ class RD2HScheduler:
                 del self._send[req_id]
                 for target in send.targets:
                     self._sending.pop(target.ext_id, None)
-                send_abort += [t.ext_id for t in send.targets]
+                send_abort += [t.ext_id for t in send.targets]  # a whole one not yet sent: ignored
                 continue
             new_ids = cached.new_block_ids[i]
+            if send.pending is not None:
+                for group, more in zip(send.pending, _groups(new_ids or ())):
+                    group.extend(more)
+                tokens = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+                self._send_whole(req_id, send, tokens, send_new, computed)
+                continue
             if new_ids is not None and any(new_ids):
                 send_blocks += [SendBlocks(t.ext_id, _groups(new_ids)) for t in send.targets]
             computed += self._computed(send, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
@@ -389,6 +407,15 @@ class RD2HScheduler:
         )
         self._recv_new, self._recv_abort, self._send_finish, self._hold_new = [], [], [], []
         return meta
+
+    def _send_whole(self, req_id: str, send: _Send, tokens: int, send_new: list, computed: list) -> None:
+        """Several groups: to the workers whole, in the step after which its prompt is computed."""
+        if tokens < send.num_tokens:
+            return
+        groups, send.started, send.pending = tuple(tuple(g) for g in send.pending), True, None
+        send_new += [SendSpec(t.ext_id, req_id, str(t.endpoint), groups, send.num_tokens, t.first_block)
+                     for t in send.targets]  # fmt: skip
+        computed += self._computed(send, tokens)
 
     @staticmethod
     def _computed(send: _Send, tokens: int) -> list[tuple[str, int]]:

@@ -9,7 +9,8 @@ Decode needs no per-layer wait: vLLM schedules a request only after it was repor
 finished-receiving, every layer already in place.
 
 Modes: ``dense`` registers every attention layer's cache as main KV and reads a full copy
-on every Decode rank (``main_split="replicated"``: vLLM's paged cache is rank-local).
+on every Decode rank (``main_split="replicated"``: vLLM's paged cache is rank-local); with
+several KV cache groups, per storage slot (:mod:`rd2h.vllm.slots`, :mod:`rd2h.vllm.kv_groups`).
 ``sfa`` pairs each attention layer with its indexer cache (a layer whose name ends in
 ``indexer.k_cache``, in its own KV cache group) and reads main KV as disjoint shares of a
 TP-shared pool (``main_split="shared"``), the specification's layout.
@@ -28,8 +29,9 @@ from rd2h.outcome import Outcome, TerminalState
 from rd2h.staging.choice import WorkerStaging
 from rd2h.tensors import LayerTensors, layer_layout, record_event
 from rd2h.vllm.config import ConnectorConfig, Mode
-from rd2h.vllm.kv_groups import check_groups, layers_to_pull
+from rd2h.vllm.kv_groups import check_groups, gather_blocks, layers_to_pull, pulls_groups, transfer_tokens
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
+from rd2h.vllm.slots import SlotBook
 from rd2h.vllm.stats import RD2HStats, WorkerTally
 from rd2h.wire.endpoint import DecodeEndpoint
 
@@ -109,6 +111,9 @@ class RD2HWorker:
         self.kv_heads = kv_heads  # the model's KV heads (dense GQA/MHA); None: MLA, not split by heads
         # vLLM's KV cache groups: registration refuses a layer no pulled group covers
         self.kv_groups = check_groups(kv_cache_config, config.mode)
+        self._groups = pulls_groups(self.kv_groups, config.mode)  # several: each request moves whole, by slot
+        self._slots: SlotBook | None = None
+        self._virtual: dict[str, tuple[int, int]] = {}  # ext id -> (prompt tokens, tokens of its flat list)
         self.consumer, self.producer = consumer, producer
         self.rank, self.tp_size, self.dp_rank = rank, tp_size, dp_rank
         self.block_sizes = tuple(block_sizes)
@@ -139,7 +144,11 @@ class RD2HWorker:
         from rd2h.api import KVSink, KVSource
 
         pulled = layers_to_pull(self.kv_groups, kv_caches, self.config.mode)  # raises for a stray layer
-        self._tensors = split_layers({n: kv_caches[n] for n in pulled}, num_blocks, self.config.mode)
+        if self._groups:
+            self._slots = SlotBook({n: kv_caches[n] for n in pulled}, num_blocks, self._groups)
+            self._tensors = {s: LayerTensors(main=_block_first(kv_caches[s], num_blocks[s])) for s in self._slots.members}
+        else:
+            self._tensors = split_layers({n: kv_caches[n] for n in pulled}, num_blocks, self.config.mode)
         layouts = {
             name: self._with_heads(name, t, layer_layout(t, block_tokens=self.block_sizes[0], layout_name="vllm"))
             for name, t in self._tensors.items()
@@ -178,6 +187,13 @@ class RD2HWorker:
             "rd2h worker rank %d/%d: %d layers, mode %s, %s", self.rank, self.tp_size, len(layouts),
             cfg.mode.value, "decode" if self.consumer else "prefill",
         )
+
+    def _flat(self, blocks: Any, num_tokens: int, first_block: int, *, decode: bool) -> tuple[list[int], int]:
+        """Several groups: a request's block ids of every group end to end, and the tokens that
+        many blocks hold (what the runtimes count by). ValueError: vLLM's allocation lacks some."""
+        size = self.block_sizes[0]
+        flat = gather_blocks(self._groups, blocks, transfer_tokens(num_tokens), first_block * size, decode=decode)
+        return flat, len(flat) * size
 
     def _with_heads(self, name: str, tensors: LayerTensors, layout: Any) -> Any:
         """The layout with the KV heads this rank's blocks hold, where a block holds them
@@ -243,14 +259,18 @@ class RD2HWorker:
             self._send_req[held.ext_id] = held.req_id
             self._finishing.add((held.ext_id, held.req_id))  # vLLM finished it: report it once sent
             try:
+                main, tokens, first = held.blocks[0], held.num_tokens, ask.first_block
+                if self._groups:
+                    main, tokens = self._flat(held.blocks, held.num_tokens, first, decode=False)
+                    first = 0
                 self.source.add_request(
-                    held.ext_id, ask.endpoint, main_block_ids=held.blocks[0], indexer_block_ids=self._indexer(held.blocks),
-                    num_tokens=held.num_tokens, first_block=ask.first_block,
+                    held.ext_id, ask.endpoint, main_block_ids=main, indexer_block_ids=self._indexer(held.blocks),
+                    num_tokens=tokens, first_block=first,
                 )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - this request's problem, never the engine's
                 self._send_refused(held.ext_id, held.req_id, exc)
                 continue
-            computed[held.ext_id] = held.num_tokens
+            computed[held.ext_id] = tokens
         if computed:  # after this step's forward: nothing else is being announced now
             for ext_id, error in self.source.send_all(computed).items():
                 log.error("Prefill rank %d: held %s not announced: %s", self.rank, ext_id, error)
@@ -274,12 +294,16 @@ class RD2HWorker:
                 self._recv_failed(spec.req_id, why, DuplicateRequestError(why))
                 continue
             try:
-                self.sink.expect(spec.ext_id, spec.blocks[0], indexer, first_block=spec.first_block)
+                main, first = spec.blocks[0], spec.first_block
+                if self._groups:
+                    main = tuple(self._flat(spec.blocks, spec.num_tokens, first, decode=True)[0])
+                    first = 0
+                self.sink.expect(spec.ext_id, main, indexer, first_block=first)
             except Exception as exc:  # noqa: BLE001 - this request's problem, never the engine's
                 self._recv_failed(spec.req_id, f"cannot expect {spec.ext_id}: {exc}", exc)
                 continue
             self._recv_req[spec.ext_id] = spec.req_id
-            self._recv_blocks[spec.ext_id] = spec.blocks[0][spec.first_block :]
+            self._recv_blocks[spec.ext_id] = tuple(main[first:])
             self._expected[spec.ext_id] = 1
 
     def _recv_failed(self, req_id: str, why: str, error: BaseException) -> None:
@@ -299,10 +323,14 @@ class RD2HWorker:
             self._send_exts.setdefault(spec.req_id, set()).add(spec.ext_id)
             self._send_req[spec.ext_id] = spec.req_id
             try:
+                main, tokens, first = spec.blocks[0], spec.num_tokens, spec.first_block
+                if self._groups:  # the scheduler sends it whole, in the step that computes its last tokens
+                    main, tokens = self._flat(spec.blocks, spec.num_tokens, first, decode=False)
+                    first = 0
+                    self._virtual[spec.ext_id] = (spec.num_tokens, tokens)
                 self.source.add_request(
-                    spec.ext_id, DecodeEndpoint.parse(spec.endpoint), main_block_ids=spec.blocks[0],
-                    indexer_block_ids=self._indexer(spec.blocks), num_tokens=spec.num_tokens,
-                    first_block=spec.first_block,
+                    spec.ext_id, DecodeEndpoint.parse(spec.endpoint), main_block_ids=main,
+                    indexer_block_ids=self._indexer(spec.blocks), num_tokens=tokens, first_block=first,
                 )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - this request's problem, never the engine's
                 self._send_refused(spec.ext_id, spec.req_id, exc)
@@ -313,8 +341,10 @@ class RD2HWorker:
                 self.source.extend(more.ext_id, main_block_ids=more.blocks[0], indexer_block_ids=self._indexer(more.blocks) or ())
             except Exception as exc:  # noqa: BLE001
                 log.error("Prefill rank %d: %s: more blocks refused: %s", self.rank, more.ext_id, exc)
-        computed = {e: t for e, t in meta.computed if e not in self._sent}
+        computed = {e: self._tokens(e, t) for e, t in meta.computed if e not in self._sent}
         self._sends = bool(computed)
+        if self._slots is not None:
+            self._slots.new_step()
         if self._sends:
             for ext_id, error in self.source.schedule(computed).items():
                 log.error("Prefill rank %d: %s not scheduled: %s", self.rank, ext_id, error)
@@ -334,10 +364,18 @@ class RD2HWorker:
             if finish.aborted:
                 self._quiet_abort(finish.ext_id)
 
+    def _tokens(self, ext_id: str, tokens: int) -> int:
+        """Tokens as the source counts them (several groups: its flat list, sent whole)."""
+        if ext_id not in self._virtual:
+            return tokens
+        num_tokens, virtual = self._virtual.pop(ext_id)
+        return virtual if tokens >= num_tokens else 0
+
     def _send_refused(self, ext_id: str, req_id: str, error: BaseException) -> None:
         """add_request refused it (a bad endpoint, TP ratio or block): it ends FAILED at once,
         Decode fails it on its deadline, and vLLM gets the request back at its finish."""
         log.error("Prefill rank %d: request %s (%s) is not sent: %s", self.rank, req_id, ext_id, error)
+        self._virtual.pop(ext_id, None)
         reason = error if isinstance(error, RD2HError) else RD2HError(str(error))
         self._sent[ext_id] = Outcome(ext_id, TerminalState.FAILED, reason, 0, 0.0, 0.0)
         self.tally.sent(self._sent[ext_id])
@@ -358,7 +396,13 @@ class RD2HWorker:
         (no slot is reused) and never raises into vLLM's forward: a layer that cannot be
         announced is logged, and Decode fails the requests that miss it (a final signal that
         does not cover every layer is refused)."""
-        if not self._sends or layer_name not in self._tensors:
+        if not self._sends:
+            return
+        if self._slots is not None:  # several groups: a slot is written once every layer viewing it was
+            if (slot := self._slots.saved(layer_name)) is None:
+                return
+            layer_name = slot
+        elif layer_name not in self._tensors:
             return
         try:
             self.source.layer_ready(layer_name, record_event(kv_layer))
@@ -367,6 +411,8 @@ class RD2HWorker:
 
     def step_done(self) -> None:
         self._sends = False
+        if self._slots is not None:
+            self._slots.new_step()
 
     # -- results -------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ from rd2h.vllm.worker import RD2HWorker
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
-def _vllm_config(model: Path, *, role: str | None = None, hybrid: bool = True, **parallel: Any) -> Any:
+def _vllm_config(model: Path, *, role: str | None = None, hybrid: bool = True, extra: dict | None = None,
+                 **parallel: Any) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -37,7 +38,7 @@ def _vllm_config(model: Path, *, role: str | None = None, hybrid: bool = True, *
     transfer = None
     if role is not None:
         transfer = KVTransferConfig(kv_connector="RD2HConnector", kv_role=role,
-                                    kv_connector_extra_config=_extra(model, role, None))  # fmt: skip
+                                    kv_connector_extra_config=_extra(model, role, extra))  # fmt: skip
     config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
                                  enforce_eager=True),
@@ -72,10 +73,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("model"))
 
 
-def test_hybrid_sliding_window_groups_are_refused_naming_the_kind_and_layers(model: Path) -> None:
+def test_hybrid_sliding_window_groups_are_refused_in_sfa_mode_naming_the_kind_and_layers(model: Path) -> None:
+    """dense mode pulls them (tests/unit/test_vllm_hybrid.py); sfa pulls main KV and an indexer only."""
     kv = _kv_cache_config(_vllm_config(model), _specs())
     assert len(kv.kv_cache_groups) == 2  # vLLM's hybrid allocator: a block table per kind
-    for mode in Mode:
+    for mode in [Mode.SFA]:
         with pytest.raises(ConfigError) as err:
             check_groups(kv, mode)
         text = str(err.value)
@@ -154,13 +156,13 @@ def test_registration_refuses_a_stray_layer_and_leaves_out_groups_vllm_rebuilds(
     assert worker.source is None
 
 
-def test_connector_refuses_a_hybrid_kv_cache_config_at_startup_in_both_roles(model: Path) -> None:
+def test_connector_refuses_a_hybrid_kv_cache_config_in_sfa_mode_at_startup_in_both_roles(model: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from rd2h.vllm.connector import RD2HConnector
 
     for role in ("kv_consumer", "kv_producer"):
-        config = _vllm_config(model, role=role)
+        config = _vllm_config(model, role=role, extra={"mode": "sfa"})
         kv = _kv_cache_config(config, _specs())
         for connector_role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
             with pytest.raises(ConfigError, match="sliding window"):
