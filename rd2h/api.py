@@ -37,7 +37,7 @@ from rd2h.outcome import Outcome, TerminalState
 from rd2h.prefill.source import DecodeEndpoint, Source
 from rd2h.staging.decode_landing import DecodeLanding
 from rd2h.staging.prefill_mirror import PrefillMirror, StagedSource
-from rd2h.tensors import LayerTensors, host_buffer, layer_layout, record_event, tensor_layout
+from rd2h.tensors import LayerTensors, host_buffer, layer_layout, memory_kind, record_event, tensor_layout
 
 __all__ = [
     "LayerTensors",
@@ -48,6 +48,7 @@ __all__ = [
     "Outcome",
     "MainSplit",
     "PeerLimits",
+    "memory_kind",
     "tensor_layout",
     "layer_layout",
     "record_event",

@@ -6,6 +6,9 @@
 - ``check_read``: the whole preamble of a ``read_batch`` over native sessions (the session is
   this engine's, open and usable; the arrays are sound; both sides lie in registered regions),
   and ``breaks_session_on_timeout``: a read that overran leaves its session refusing reads;
+- ``check_region_kinds``: a registration refuses memory the engine does not move, naming the
+  engines installed here that do (``capable_engines``); ``check_peer_kinds``: the same
+  question about a peer's layouts, asked by Decode before it connects;
 - ``bounded_call``: a native call that cannot hang its caller;
 - ``goes_quiet``: whether a peer's TCP address stops answering (a dead peer, told apart from
   a failed transfer).
@@ -16,7 +19,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -25,12 +28,14 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.errors import RD2HError, TransferError, TransferTimeout
-from rd2h.layout.regions import RegionSet
+from rd2h.errors import IncompatiblePeerError, RD2HError, TransferError, TransferTimeout
+from rd2h.interfaces import HOST_ONLY, MemoryKinds, TransferEngine
+from rd2h.layout.layers import LayerLayout
+from rd2h.layout.regions import Region, RegionSet, check_memory_kind, device_type
 
 __all__ = [
     "MetadataEnvelope", "split_host_port", "check_read_arrays", "check_read", "breaks_session_on_timeout",
-    "check_host_regions", "bounded_call", "answers_at", "goes_quiet",
+    "check_region_kinds", "check_peer_kinds", "capable_engines", "bounded_call", "answers_at", "goes_quiet",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -54,8 +59,9 @@ class MetadataEnvelope:
     def malformed(self, what: str) -> TransferError:
         return TransferError(f"malformed {self.engine}-engine metadata: {what}")
 
-    def unpack(self, blob: object, fields: int) -> list[Any]:
-        """The ``fields`` fields after magic and version (extra trailing fields are ignored).
+    def unpack(self, blob: object, fields: int, optional: int = 0) -> list[Any]:
+        """The ``fields`` fields after magic and version, and up to ``optional`` more where the
+        blob has them (fields appended later; further trailing fields are ignored).
 
         Raises TransferError for anything else: not bytes, too big, not msgpack, another
         engine's blob, another version, too few fields.
@@ -74,7 +80,7 @@ class MetadataEnvelope:
             raise self.malformed(f"not produced by the {self.engine} engine (tag {msg[0]!r:.40})")
         if msg[1] != self.version:
             raise self.malformed(f"version {msg[1]!r:.20}; this engine speaks {self.version}")
-        return msg[2 : 2 + fields]
+        return msg[2 : 2 + fields + optional]
 
     def integer(self, value: object, field: str) -> int:
         """A non-negative integer field."""
@@ -194,14 +200,76 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def check_host_regions(engine: str, regions: Any) -> None:
-    """Raise ``TransferError`` for a region that is not host memory (an engine that moves
-    host memory only refuses at registration, not with EFAULT at the first read)."""
+_SIDE = {"prefill": "reads from", "decode": "writes to"}
+
+
+def capable_engines(kind: str, role: str) -> list[str]:
+    """The engines installed here (``rd2h.plugins``) whose ``memory_kinds`` move memory of
+    ``kind``'s device type on ``role``'s side: what a refusal suggests instead. Never raises:
+    an engine that cannot be imported or answers badly is left out."""
+    from rd2h import plugins  # lazy: plugins imports the interfaces this module serves
+
+    wanted = device_type(kind)
+    names = []
+    try:
+        backends = plugins.list_backends()
+    except Exception:  # noqa: BLE001 - only a suggestion in an error message
+        return []
+    for info in backends:
+        if info.kind != "engine" or not info.available:
+            continue
+        try:
+            kinds = plugins.engine_class(info.name).memory_kinds()
+            if wanted in kinds.for_role(role):
+                names.append(info.name)
+        except Exception:  # noqa: BLE001 - a broken backend is no suggestion
+            continue
+    return sorted(names)
+
+
+def _refusal(engine: str, kind: str, role: str, kinds: frozenset[str], what: str) -> str:
+    others = capable_engines(kind, role)  # this engine too where another of its configurations can
+    can = f"installed engines that can: {', '.join(others)}" if others else "no installed engine can"
+    return (
+        f"{what} is {kind} memory, and the {engine} engine {_SIDE[role]} {', '.join(sorted(kinds)) or 'no'} "
+        f"memory only ({can}; or stage it through host memory)"
+    )
+
+
+def _kinds_of(engine: object) -> MemoryKinds:
+    """The engine's ``memory_kinds()``; host only for an object that does not say (a test
+    double that is no ``TransferEngine``)."""
+    ask = getattr(type(engine), "memory_kinds", None)
+    return ask() if ask is not None else HOST_ONLY
+
+
+def check_region_kinds(engine: TransferEngine, regions: Iterable[Region], kinds: MemoryKinds | None = None) -> None:
+    """Raise ``TransferError`` for a region whose memory kind ``engine`` does not move on its
+    role's side: a Prefill engine registers what peers read from (``reads_from``), a Decode
+    engine what it writes to (``writes_to``). ``kinds`` defaults to the engine's
+    ``memory_kinds()``; an engine whose options narrow them passes its own. The message names
+    the region, its kind, what the engine moves and the installed engines that can move it,
+    so the refusal comes at registration, not as EFAULT at the first read."""
+    role = getattr(engine, "role", "decode")
+    allowed = (kinds or _kinds_of(engine)).for_role(role)
+    name = type(engine).name or type(engine).__name__
     for r in regions:
-        if r.device != "cpu":
-            raise TransferError(
-                f"region {r.addr:#x}+{r.length} is on {r.device!r}: this {engine} engine moves host memory only"
-            )
+        if r.device_type not in allowed:
+            raise TransferError(_refusal(name, r.kind, role, allowed, f"region {r.addr:#x}+{r.length}"))
+
+
+def check_peer_kinds(engine: TransferEngine, layers: Mapping[str, LayerLayout]) -> None:
+    """Raise ``IncompatiblePeerError`` unless ``engine`` (Decode's) reads from every memory
+    kind a peer's layouts declare (layer metadata, layout 4): refused at the handshake with a
+    message naming the layer, the kind and the engines that can, not at the first read."""
+    allowed = _kinds_of(engine).reads_from
+    name = type(engine).name or type(engine).__name__
+    for layer, layout in layers.items():
+        for what, tensor in layout.named_tensors():
+            kind = check_memory_kind(tensor.kind)
+            if device_type(kind) not in allowed:
+                where = f"the peer's layer {layer[:80]!r} ({what})"
+                raise IncompatiblePeerError(_refusal(name, kind, "prefill", allowed, where))
 
 
 def bounded_call(

@@ -20,10 +20,12 @@ import numpy as np
 import numpy.typing as npt
 
 from rd2h.errors import IncompatiblePeerError
-from rd2h.layout.regions import Region
+from rd2h.layout.regions import HOST, Region
 
 __all__ = [
     "Capability",
+    "MemoryKinds",
+    "HOST_ONLY",
     "Region",
     "Availability",
     "Session",
@@ -37,13 +39,16 @@ Int64Array = npt.NDArray[np.int64]
 
 
 class Capability(enum.Flag):
-    """What an engine can do; the runtimes check these before choosing destinations."""
+    """What an engine can do; the runtimes check these before choosing destinations.
+
+    The four memory flags are a coarse summary; which memory an engine moves is
+    ``TransferEngine.memory_kinds()``, and that is what registration checks."""
 
     NONE = 0
     READ_FROM_HOST = enum.auto()  # the peer's regions may be host memory
-    READ_FROM_DEVICE = enum.auto()  # the peer's regions may be accelerator memory
+    READ_FROM_DEVICE = enum.auto()  # the peer's regions may be accelerator memory (of some type)
     WRITE_TO_HOST = enum.auto()  # local destinations may be host memory
-    WRITE_TO_DEVICE = enum.auto()  # local destinations may be accelerator memory
+    WRITE_TO_DEVICE = enum.auto()  # local destinations may be accelerator memory (of some type)
     CROSS_HOST = enum.auto()  # the peer may live on another machine
     NEEDS_REGISTERED_DESTINATIONS = enum.auto()  # local destinations must be registered first
     # connect() proves that the metadata comes from the process it names and that the peer
@@ -52,6 +57,35 @@ class Capability(enum.Flag):
     # connect() may run on another thread while read_batch runs on other sessions: Decode then
     # admits a new Prefill off its loop, so a slow handshake delays no other peer's replies
     CONCURRENT_CONNECT = enum.auto()
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryKinds:
+    """The memory an engine moves, by device type (``"host"``, ``"cuda"``, ``"npu"``, ...):
+    ``reads_from`` the peer's registered regions (what a Prefill engine may register),
+    ``writes_to`` this side's destinations (what a Decode engine may register).
+
+    Raises ``ValueError`` for an entry that is not a device type (``"cuda:0"``, ``""``).
+    """
+
+    reads_from: frozenset[str] = frozenset({HOST})
+    writes_to: frozenset[str] = frozenset({HOST})
+
+    def __post_init__(self) -> None:
+        for side in ("reads_from", "writes_to"):
+            kinds = frozenset(getattr(self, side))
+            for kind in kinds:
+                if type(kind) is not str or not kind.isidentifier() or not kind.islower():
+                    raise ValueError(f"{side}: {kind!r} is not a device type such as 'host' or 'cuda'")
+            object.__setattr__(self, side, kinds)
+
+    def for_role(self, role: str) -> frozenset[str]:
+        """What ``role``'s registrations may be: a Prefill registers what peers read from,
+        a Decode what it writes to."""
+        return self.reads_from if role == "prefill" else self.writes_to
+
+
+HOST_ONLY = MemoryKinds()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +138,15 @@ class TransferEngine(abc.ABC):
         """Whether this engine can run here. Must not raise and must not start anything."""
         return Availability(True)
 
+    @classmethod
+    def memory_kinds(cls) -> MemoryKinds:
+        """Which memory this engine moves, by device type, with what is installed here (a
+        wheel built without CUDA moves no CUDA memory). The default is host memory only.
+        ``register`` refuses a region of any other kind (``engine_support.check_region_kinds``);
+        an engine whose options narrow this (a host-only data path) refuses more. Must not
+        raise and must not start anything."""
+        return HOST_ONLY
+
     @property
     @abc.abstractmethod
     def session_id(self) -> str:
@@ -114,7 +157,8 @@ class TransferEngine(abc.ABC):
         """Register memory for reads (Prefill: sources) or as destinations (Decode).
 
         Returns opaque metadata for the peer's ``connect``; it covers every region
-        registered so far. Raises ``TransferError`` when the engine refuses.
+        registered so far. Raises ``TransferError`` when the engine refuses, among others
+        for a region of a memory kind it does not move (``memory_kinds``).
         """
 
     @abc.abstractmethod

@@ -17,8 +17,11 @@ import numpy as np
 
 from rd2h.errors import ConfigError
 from rd2h.layout.layers import LayerLayout, LayoutTag, TensorLayout
+from rd2h.layout.regions import HOST, check_memory_kind
 
-__all__ = ["LayerTensors", "tensor_layout", "layout_tag", "layer_layout", "record_event", "host_buffer"]
+__all__ = [
+    "LayerTensors", "memory_kind", "tensor_layout", "layout_tag", "layer_layout", "record_event", "host_buffer",
+]  # fmt: skip
 
 log = logging.getLogger("rd2h.tensors")
 
@@ -37,21 +40,44 @@ class LayerTensors:
     scale: Any | None = None
 
 
+def memory_kind(tensor: Any) -> str:
+    """What memory ``tensor`` lives in: ``"host"`` for a numpy array or a CPU torch tensor,
+    ``"<device type>:<index>"`` from a torch tensor's device otherwise (``"cuda:0"``,
+    ``"npu:3"``).
+
+    Raises ConfigError for something that is neither, or a device without an index.
+    """
+    if hasattr(tensor, "data_ptr") and hasattr(tensor, "device"):  # torch
+        device = tensor.device
+        kind, index = str(getattr(device, "type", "")), getattr(device, "index", None)
+        if kind == "cpu":
+            return HOST
+        if type(index) is not int:
+            raise ConfigError(f"a tensor on device {device} has no device index: rd2h cannot tell which memory it is")
+        try:
+            return check_memory_kind(f"{kind}:{index}", f"the device of a tensor ({device})")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if hasattr(tensor, "ctypes") and hasattr(tensor, "__array_interface__"):  # numpy
+        return HOST
+    raise ConfigError(f"expected a torch tensor or numpy array, got {type(tensor).__name__}")
+
+
 def tensor_layout(tensor: Any, block_size_scale: int = 1) -> TensorLayout:
     """The layout of a tensor whose dimension 0 indexes blocks.
 
     Each block (``tensor[i]``) must be contiguous; the blocks need not be adjacent: where
     ``stride(0)`` exceeds a block's bytes (padded pages, or block-outermost views of one big
     allocation) the layout gets that ``block_stride`` and only the blocks' bytes move.
-    Accepts torch tensors (``data_ptr``) and numpy arrays (``ctypes.data``). Raises
-    ConfigError for an empty tensor, a block that is not contiguous, blocks that overlap or
+    Accepts torch tensors (``data_ptr``) and numpy arrays (``ctypes.data``); the layout's
+    ``kind`` is the tensor's :func:`memory_kind`. Raises ConfigError for an empty tensor, a block that is not contiguous, blocks that overlap or
     run backwards, or a block whose bytes do not split into ``block_size_scale`` rows.
     """
     if hasattr(tensor, "data_ptr"):  # torch
-        addr, itemsize, device = tensor.data_ptr(), tensor.element_size(), tensor.device.type
+        addr, itemsize, kind = tensor.data_ptr(), tensor.element_size(), memory_kind(tensor)
         strides = tuple(s * itemsize for s in tensor.stride())
     elif hasattr(tensor, "ctypes"):  # numpy
-        addr, itemsize, device = tensor.ctypes.data, tensor.itemsize, "cpu"
+        addr, itemsize, kind = tensor.ctypes.data, tensor.itemsize, HOST
         strides = tuple(tensor.strides)
     else:
         raise ConfigError(f"expected a torch tensor or numpy array, got {type(tensor).__name__}")
@@ -79,7 +105,7 @@ def tensor_layout(tensor: Any, block_size_scale: int = 1) -> TensorLayout:
             "speed; allocate it with rd2h.api.host_buffer (or torch)", addr, _ALIGNMENT,
         )
     return TensorLayout(
-        addr, block_bytes // block_size_scale, num_blocks, block_size_scale, device, block_stride=step
+        addr, block_bytes // block_size_scale, num_blocks, block_size_scale, kind, block_stride=step
     )
 
 

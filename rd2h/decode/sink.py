@@ -35,6 +35,7 @@ from rd2h.decode.layer_read import AdmittedPeer, Counters, LayerReader, LayerSta
 from rd2h.decode.peer_limits import PeerBook, PeerLimits, oversized_readiness, oversized_settled
 from rd2h.decode.rank_reads import Destinations, MainSplit
 from rd2h.decode.receive_tracker import ReceiveTracker
+from rd2h.engine_support import check_peer_kinds
 from rd2h.errors import ChannelError, PeerGoneError, ProtocolError, RD2HError, WaitTimeout
 from rd2h.interfaces import Capability, Listener, Session, TransferEngine
 from rd2h.layout.layers import LayerLayout
@@ -325,6 +326,7 @@ class Sink:
         try:
             protocol.check_compatible(meta, accept_legacy=self._accept_legacy)
             layers = meta.layers()
+            check_peer_kinds(self._engine, layers)  # memory this engine cannot read: refused now
             if meta.legacy:  # a reference-shaped peer: only its session id to go on
                 session = self._engine.connect_legacy(meta.p_session)
             elif self._concurrent_connect:

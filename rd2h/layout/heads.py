@@ -168,7 +168,7 @@ def narrow_heads(layout: LayerLayout, first: int, count: int, heads: int, side: 
         per_head = t.block_bytes // heads
         main.append(
             TensorLayout(
-                t.base_addr + first * per_head, count * per_head, t.num_blocks, 1, t.device, block_stride=t.stride
+                t.base_addr + first * per_head, count * per_head, t.num_blocks, 1, t.kind, block_stride=t.stride
             )
         )
     narrowed_tag = None if tag is None else dataclasses.replace(tag, block_shape=(count, *tag.block_shape[1:]))

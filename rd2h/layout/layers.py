@@ -30,7 +30,7 @@ from rd2h.errors import (
     ScaleLayoutMismatch,
     ScalePresenceMismatch,
 )
-from rd2h.layout.regions import Region
+from rd2h.layout.regions import HOST, Region, local_kind
 
 __all__ = ["TensorLayout", "LayoutTag", "HeadSpan", "LayerLayout", "validate_layer"]
 
@@ -48,16 +48,19 @@ class TensorLayout:
     ``block_bytes`` is stored as None, so equal memory layouts compare equal.
 
     Raises ``ValueError`` for a negative address or count, a non-positive block length,
-    scale or stride, a stride smaller than a block (blocks would overlap), or a tensor
-    whose end does not fit in an int64 address.
+    scale or stride, a stride smaller than a block (blocks would overlap), a tensor
+    whose end does not fit in an int64 address, or a malformed memory ``kind`` (torch's
+    ``"cpu"`` is taken for ``"host"``).
     """
 
     base_addr: int
     block_len: int  # bytes per physical block row
     num_blocks: int  # logical block ids 0 .. num_blocks-1 are valid
     block_size_scale: int = 1  # physical rows per logical block id
-    # where the memory is ("cpu", "cuda", "npu"); local to this process, never on the wire
-    device: str = field(default="cpu", compare=False)
+    # what memory it is: "host", "cuda:0", "npu:1", ... (rd2h.layout.regions.check_memory_kind);
+    # sent to the peer (layer metadata, layout 4). Not compared: equal addresses and sizes plan
+    # equal reads, and the engine, not the plan, deals with the kind.
+    kind: str = field(default=HOST, compare=False)
     block_stride: int | None = None  # bytes from one block id to the next; None: dense
 
     def __post_init__(self) -> None:
@@ -75,6 +78,7 @@ class TensorLayout:
             object.__setattr__(self, "block_stride", None if stride == self.block_bytes else stride)
         if self.base_addr + self.nbytes > _INT64_MAX:
             raise ValueError(f"tensor layout {self!r} does not fit in int64 addresses")
+        object.__setattr__(self, "kind", local_kind(self.kind, "tensor layout"))  # "cpu" is "host"
 
     @property
     def block_bytes(self) -> int:
@@ -192,8 +196,8 @@ class LayerLayout:
         return tuple(t for _, t in self.named_tensors())
 
     def regions(self) -> tuple[Region, ...]:
-        """One region per non-empty tensor, on its device, e.g. to register with an engine."""
-        return tuple(Region(t.base_addr, t.nbytes, t.device) for t in self.tensors() if t.nbytes > 0)
+        """One region per non-empty tensor, of its memory kind, e.g. to register with an engine."""
+        return tuple(Region(t.base_addr, t.nbytes, t.kind) for t in self.tensors() if t.nbytes > 0)
 
 
 # --------------------------------------------------------------------------- validation

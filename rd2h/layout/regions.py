@@ -3,10 +3,16 @@
 Every remote address Decode reads from and every local address it writes to must lie
 inside memory that was registered for the purpose. ``RegionSet`` answers that question
 for a whole layer's worth of ranges at once.
+
+Every region also says what memory it is, its *memory kind*: ``"host"`` for memory the CPU
+addresses directly, ``"<device type>:<index>"`` for an accelerator's (``"cuda:0"``,
+``"npu:3"``). Engines declare which device types they move (``"host"``, ``"cuda"``, ...);
+``KindIndex`` tells, for a whole batch of addresses at once, which kind each one is.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -15,23 +21,75 @@ import numpy.typing as npt
 
 from rd2h.errors import RegionError
 
-__all__ = ["Region", "RegionSet", "merge_by_device"]
+__all__ = [
+    "HOST", "Region", "RegionSet", "KindIndex", "check_memory_kind", "local_kind", "device_type", "device_index",
+    "merge_by_kind", "merge_by_device",
+]  # fmt: skip
 
 Int64Array = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
+HOST = "host"  # the memory kind (and device type) of memory the CPU addresses directly
+_KIND = re.compile(r"([a-z][a-z0-9_]{0,30}):(0|[1-9][0-9]{0,4})")  # "cuda:0"; an index below 100000
+_INDEX_END = 100_000
+
+
+def check_memory_kind(kind: object, what: str = "memory kind") -> str:
+    """``kind`` if it is a memory kind: ``"host"``, or a device type and an index
+    (``"cuda:0"``, ``"npu:7"``: lowercase, at most 31 characters, index below 100000).
+
+    Raises ``TypeError`` for a non-string and ``ValueError`` naming ``what`` for anything
+    else (``"cpu"``, ``"cuda"`` without its index, ``"host:0"``, ``"CUDA:0"``, ``"cuda:01"``).
+    """
+    if type(kind) is not str:
+        raise TypeError(f"{what}: expected a string such as 'host' or 'cuda:0', got {type(kind).__name__}")
+    if kind != HOST and (_KIND.fullmatch(kind) is None or kind.startswith(HOST + ":")):
+        raise ValueError(f"{what}: {kind[:40]!r} is not a memory kind ('host', or a device type and index such as 'cuda:0')")
+    return kind
+
+
+def local_kind(kind: object, what: str) -> str:
+    """``kind`` checked as :func:`check_memory_kind` does, for objects built in this process:
+    torch's ``"cpu"`` is taken for ``"host"``, and every refusal is a ``ValueError``. (The
+    wire takes no such liberty: a peer's ``"cpu"`` is malformed.)"""
+    if kind == "cpu":
+        return HOST
+    try:
+        return check_memory_kind(kind, what)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def device_type(kind: str) -> str:
+    """The device type of a memory kind: ``"cuda"`` for ``"cuda:1"``, ``"host"`` for ``"host"``."""
+    return kind.partition(":")[0]
+
+
+def device_index(kind: str) -> int:
+    """The device index of a memory kind: 1 for ``"cuda:1"``, 0 for ``"host"``."""
+    _, _, index = kind.partition(":")
+    return int(index) if index else 0
+
 
 @dataclass(frozen=True, slots=True)
 class Region:
-    """One contiguous range of memory, ``[addr, addr + length)``, on ``device``."""
+    """One contiguous range of memory, ``[addr, addr + length)``, of memory kind ``kind``
+    (``"host"``, ``"cuda:0"``, ...; ``"cpu"`` is taken for ``"host"``). Raises ``ValueError``
+    for a negative address, a length that is not positive or a malformed kind."""
 
     addr: int
     length: int
-    device: str = "cpu"
+    kind: str = HOST
 
     def __post_init__(self) -> None:
         if self.addr < 0 or self.length <= 0:
             raise ValueError(f"region needs addr >= 0 and length > 0, got {self.addr:#x}+{self.length}")
+        object.__setattr__(self, "kind", local_kind(self.kind, f"region {self.addr:#x}+{self.length}"))
+
+    @property
+    def device_type(self) -> str:
+        """``"host"``, ``"cuda"``, ``"npu"``, ...: what engines declare they can move."""
+        return device_type(self.kind)
 
     @property
     def end(self) -> int:
@@ -165,17 +223,61 @@ class RegionSet:
         )
 
 
-def merge_by_device(regions: Iterable[Region]) -> list[Region]:
-    """``regions`` with overlapping and adjacent ranges merged, device by device: what a
-    process registers with its engine (layers that share a physical buffer share regions)."""
-    by_device: dict[str, list[Region]] = {}
+def merge_by_kind(regions: Iterable[Region]) -> list[Region]:
+    """``regions`` with overlapping and adjacent ranges merged, kind by kind: what a process
+    registers with its engine (layers that share a physical buffer share regions)."""
+    by_kind: dict[str, list[Region]] = {}
     for region in regions:
-        by_device.setdefault(region.device, []).append(region)
-    return [
-        Region(addr, length, device)
-        for device, group in by_device.items()
-        for addr, length in RegionSet(group)
-    ]
+        by_kind.setdefault(region.kind, []).append(region)
+    return [Region(addr, length, kind) for kind, group in by_kind.items() for addr, length in RegionSet(group)]
+
+
+merge_by_device = merge_by_kind  # the older name, kept for callers
+
+
+class KindIndex:
+    """Which memory kind each of many addresses is, from regions of known kinds (pure).
+
+    Built from ``Region`` objects: ranges of one kind are merged; ranges of different kinds
+    must not overlap (one virtual address is one memory), else ``ValueError``. ``codes``
+    answers for a whole array at once with an index into ``kinds`` (-1: in no region).
+    """
+
+    __slots__ = ("kinds", "_starts", "_ends", "_codes")
+
+    def __init__(self, regions: Iterable[Region] = ()) -> None:
+        merged = sorted(merge_by_kind(regions), key=lambda r: r.addr)
+        self.kinds: tuple[str, ...] = tuple(dict.fromkeys(r.kind for r in merged))
+        for before, after in zip(merged, merged[1:]):
+            if after.addr < before.end:
+                raise ValueError(
+                    f"regions of two memory kinds overlap: {before.kind} {describe_range(before.addr, before.length)} "
+                    f"and {after.kind} {describe_range(after.addr, after.length)}"
+                )
+        code = {kind: i for i, kind in enumerate(self.kinds)}
+        self._starts = np.array([r.addr for r in merged], dtype=np.int64)
+        self._ends = np.array([r.end for r in merged], dtype=np.int64)
+        self._codes = np.array([code[r.kind] for r in merged], dtype=np.int64)
+
+    @property
+    def uniform(self) -> str | None:
+        """The one kind of every region, or None for none or several."""
+        return self.kinds[0] if len(self.kinds) == 1 else None
+
+    def codes(self, addrs: npt.ArrayLike) -> Int64Array:
+        """Per address, the index in ``kinds`` of the region it lies in; -1 for none."""
+        a = np.asarray(addrs, dtype=np.int64)
+        if not len(self._starts):
+            return np.full(a.shape, -1, dtype=np.int64)
+        i = np.searchsorted(self._starts, a, side="right") - 1
+        j = np.maximum(i, 0)
+        inside = (i >= 0) & (a < self._ends[j])
+        return np.where(inside, self._codes[j], -1)
+
+    def kind_of(self, addr: int) -> str | None:
+        """The kind of the region ``addr`` lies in, None for none."""
+        code = int(self.codes(np.array([addr], dtype=np.int64))[0])
+        return None if code < 0 else self.kinds[code]
 
 
 def describe_range(addr: int, length: int) -> str:

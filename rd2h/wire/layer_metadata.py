@@ -15,6 +15,7 @@ import msgpack
 
 from rd2h.errors import IncompatiblePeerError, RemoteProtocolError
 from rd2h.layout.layers import LayerLayout, LayoutTag, TensorLayout
+from rd2h.layout.regions import HOST, check_memory_kind
 from rd2h.wire.fields import INT_END as _INT_END
 from rd2h.wire.fields import check_int as _check_int
 from rd2h.wire.fields import check_str as _check_str
@@ -29,9 +30,9 @@ __all__ = [
     "decode_layer_metadata",
 ]
 
-LAYOUT_VERSION = 3  # v2 adds num_blocks and has_scale; v3 block_stride and tag
+LAYOUT_VERSION = 4  # v2 adds num_blocks and has_scale; v3 block_stride and tag; v4 memory_kind
 LEGACY_LAYOUT_VERSION = 1
-READ_LAYOUT_VERSIONS = (LEGACY_LAYOUT_VERSION, 2, LAYOUT_VERSION)  # what decode_layer_metadata reads
+READ_LAYOUT_VERSIONS = (LEGACY_LAYOUT_VERSION, 2, 3, LAYOUT_VERSION)  # what decode_layer_metadata reads
 
 _TENSOR_LISTS = ("base_addrs", "block_len", "block_size_scale", "num_blocks", "tensor_group_idx")
 
@@ -89,10 +90,11 @@ def _decode_tag(tag: object) -> LayoutTag:
 
 
 def encode_layer_metadata(layers: Mapping[str, LayerLayout]) -> bytes:
-    """Encode layouts as the ``layer_metadata`` map of mf_meta (layout version 3).
+    """Encode layouts as the ``layer_metadata`` map of mf_meta (layout version 4).
 
     Tensor order per layer: the main tensors, the indexer, the scale. ``block_stride`` is
-    sent only for a layer with a strided tensor, ``tag`` only for a layer that has one.
+    sent only for a layer with a strided tensor, ``tag`` only for a layer that has one,
+    ``memory_kind`` (one kind per tensor) only for a layer with a tensor not in host memory.
     Raises TypeError or ValueError on a layout that could not be decoded again (a scale
     without an indexer, no main tensor, a non-positive length).
     """
@@ -129,6 +131,8 @@ def encode_layer_metadata(layers: Mapping[str, LayerLayout]) -> bytes:
         }
         if any(t.block_stride is not None for t in tensors):
             entry["block_stride"] = [t.block_stride for t in tensors]  # nil: dense
+        if any(t.kind != HOST for t in tensors):
+            entry["memory_kind"] = [t.kind for t in tensors]
         if layer.tag is not None:
             if type(layer.tag) is not LayoutTag:
                 raise TypeError(f"layer {name!r}: tag is a {_kind(layer.tag)}, not a LayoutTag")
@@ -176,15 +180,30 @@ def _decode_layer(entry: object, strict: bool) -> LayerLayout:
         lists[key] = values
     for i, group in enumerate(lists["tensor_group_idx"]):
         _check_int(group, f"tensor_group_idx[{i}]")
+    kinds = _decode_kinds(entry.get("memory_kind"), count)
     tensors = []
     for i in range(count):
         base, length, scale, blocks, stride = (lists[k][i] for k in (*_TENSOR_LISTS[:4], "block_stride"))
         blocks = _check_tensor(base, length, scale, blocks, stride, str(i))
-        tensors.append(TensorLayout(base, length, blocks, scale, block_stride=stride))
+        tensors.append(TensorLayout(base, length, blocks, scale, kinds[i], block_stride=stride))
     indexer = tensors[main_count] if has_indexer else None
     scale_t = tensors[main_count + 1] if has_scale else None
     tag = _decode_tag(entry["tag"]) if "tag" in entry else None
     return LayerLayout(tuple(tensors[:main_count]), indexer, scale_t, tag)
+
+
+def _decode_kinds(kinds: object, count: int) -> tuple[str, ...]:
+    """The memory kind of each of ``count`` tensors; every one host when the key is absent
+    (a peer before layout 4, or every tensor in host memory)."""
+    if kinds is None:
+        return (HOST,) * count
+    if type(kinds) is not tuple:
+        raise TypeError(f"memory_kind: expected an array, got {_kind(kinds)}")
+    if len(kinds) != count:
+        raise ValueError(f"memory_kind: has {len(kinds)} entries, main_tensor_count + has_indexer + has_scale = {count}")
+    for i, kind in enumerate(kinds):
+        check_memory_kind(kind, f"memory_kind[{i}]")
+    return kinds
 
 
 def decode_layer_metadata(data: bytes, *, layout_version: int | None = None) -> dict[str, LayerLayout]:
@@ -193,8 +212,11 @@ def decode_layer_metadata(data: bytes, *, layout_version: int | None = None) -> 
     With ``layout_version=None`` every form is read: a key missing from a legacy map takes
     its legacy default (``has_scale`` false; without ``num_blocks`` each tensor is taken to
     run to the end of the int64 address space). From layout 2 on those keys are required;
-    with 1 they are optional. ``block_stride`` and ``tag`` (layout 3) are optional in every
-    version: absent, tensors are dense and the layer states no tag. Unknown keys are ignored
+    with 1 they are optional. ``block_stride`` and ``tag`` (layout 3) and ``memory_kind``
+    (layout 4) are optional in every version: absent, tensors are dense, the layer states no
+    tag and every tensor is host memory. A malformed kind is refused like any malformed key
+    (a well-formed kind the reading engine cannot move is the engine's refusal, not the
+    codec's: ``rd2h.engine_support.check_peer_kinds``). Unknown keys are ignored
     (append-only evolution). Raises RemoteProtocolError naming the layer and key,
     IncompatiblePeerError for a layout version this build does not know.
     """

@@ -72,6 +72,7 @@ def test_a_misaligned_tensor_is_reported(caplog: pytest.LogCaptureFixture) -> No
     assert caplog.text == ""
 
 
-def test_tensor_layout_carries_the_device() -> None:
-    assert tensor_layout(torch.zeros(2, 64)).device == "cpu"
-    assert tensor_layout(np.zeros((2, 64))).device == "cpu"
+def test_tensor_layout_carries_the_memory_kind() -> None:
+    assert tensor_layout(torch.zeros(2, 64)).kind == "host"
+    assert tensor_layout(np.zeros((2, 64))).kind == "host"
+    assert layer_layout(LayerTensors([torch.zeros(2, 64)])).regions()[0].kind == "host"

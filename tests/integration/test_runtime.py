@@ -176,19 +176,20 @@ def test_device_memory_is_refused_by_a_host_only_engine_at_once() -> None:
     from rd2h.errors import TransferError
     from rd2h.layout.layers import LayerLayout, TensorLayout
 
-    on_gpu = LayerLayout((TensorLayout(0x7F0000000000, 4096, 8, device="cuda"),))
-    with pytest.raises(TransferError, match="cuda"):
+    on_gpu = LayerLayout((TensorLayout(0x7F0000000000, 4096, 8, kind="cuda:0"),))
+    with pytest.raises(TransferError, match="cuda:0 memory"):
         KVSource({"l": on_gpu}, block_size=BLOCK)
 
 
-def test_merge_by_device_keeps_devices_apart() -> None:
+def test_merge_by_kind_keeps_kinds_apart() -> None:
     from rd2h.interfaces import Region
-    from rd2h.layout.regions import merge_by_device
+    from rd2h.layout.regions import merge_by_kind
 
-    merged = merge_by_device([Region(0, 10), Region(10, 5), Region(0, 8, "cuda"), Region(100, 1)])
-    assert sorted(merged, key=lambda r: (r.device, r.addr)) == [
-        Region(0, 15), Region(100, 1), Region(0, 8, "cuda"),
+    merged = merge_by_kind([Region(0, 10), Region(10, 5), Region(0, 8, "cuda:0"), Region(100, 1), Region(8, 8, "cuda:1")])
+    assert sorted(merged, key=lambda r: (r.kind, r.addr)) == [
+        Region(0, 8, "cuda:0"), Region(8, 8, "cuda:1"), Region(0, 15), Region(100, 1),
     ]
+    assert [r.kind for r in sorted(merged, key=lambda r: (r.kind, r.addr))] == ["cuda:0", "cuda:1", "host", "host"]
 
 
 def test_take_finished_reports_each_request_once(kv_port: int) -> None:

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.errors import ConfigError, PeerGoneError, RegionError, TransferError, TransferTimeout
-from rd2h.interfaces import Capability, Region
+from rd2h.interfaces import Capability, MemoryKinds, Region
 from rd2h.layout.regions import RegionSet
 from rd2h.testing.peer import PeerProcess
 from rd2h_local import LocalEngine, _iov, _metadata, _sys
@@ -159,9 +159,21 @@ def test_register_merges_and_metadata_covers_everything_so_far():
         assert engine.session_id == f"local:{_sys.hostname()}:{os.getpid()}"
 
 
-def test_device_memory_is_refused():
-    with LocalEngine("decode") as engine, pytest.raises(TransferError, match="host memory only"):
-        engine.register([Region(0x10000, 4096, device="npu:0")])
+def test_declares_host_memory_only():
+    assert LocalEngine.memory_kinds() == MemoryKinds(frozenset({"host"}), frozenset({"host"}))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_device_memory_is_refused_naming_the_kind_and_engines_that_can(role):
+    """The refusal comes from the capability check: it names the kind, what the engine
+    moves and the installed engines whose memory_kinds() take it (nixl reads CUDA memory)."""
+    with LocalEngine(role) as engine, pytest.raises(TransferError) as info:
+        engine.register([Region(0x10000, 4096), Region(0x7F0000000000, 4096, kind="cuda:0")])
+    text = str(info.value)
+    assert "0x7f0000000000" in text and "cuda:0 memory" in text and "host memory only" in text
+    assert "installed engines that can: nixl" in text
+    with LocalEngine(role) as engine, pytest.raises(TransferError, match="no installed engine can"):
+        engine.register([Region(0x10000, 4096, kind="rd2hfake:0")])
 
 
 def test_prefill_never_opens_itself_to_any_process(monkeypatch):
