@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import time
+from array import array
 
 import numpy as np
 import numpy.typing as npt
@@ -19,7 +20,7 @@ import numpy.typing as npt
 from rd2h.errors import PeerGoneError, TransferError, TransferTimeout
 from rd2h_local import _sys
 
-__all__ = ["IovPair", "build", "split", "copy"]
+__all__ = ["IovPair", "build", "split", "copy", "copy_small"]
 
 Iov = npt.NDArray[np.int64]
 _IOV_BYTES = 16
@@ -55,6 +56,21 @@ def build(
     iov[1, :, 0] = remote_addrs
     iov[:, :, 1] = lengths
     return IovPair(iov[0], iov[1], int(lengths.sum()) if nbytes is None else nbytes)
+
+
+def copy_small(pid: int, local_addrs: list[int], remote_addrs: list[int], lengths: list[int], deadline: float) -> None:
+    """``copy`` of a few descriptors (at most ``IOV_MAX``) given as Python ints: one call on
+    iovecs built in ``array.array``s, whose addresses cost nothing (a numpy array's
+    ``.ctypes`` costs ~3 us, each numpy call ~1-2 us: more than the tiny copy itself). A
+    partial or failed call is done again by ``copy`` from the start (reading the same bytes
+    again is harmless), which resumes, retries EINTR and names the error."""
+    n = len(lengths)
+    local = array("q", [v for pair in zip(local_addrs, lengths) for v in pair])
+    remote = array("q", [v for pair in zip(remote_addrs, lengths) for v in pair])
+    if _sys.process_vm_readv(pid, local.buffer_info()[0], n, remote.buffer_info()[0], n, 0) == sum(lengths):
+        return
+    as_int64 = np.asarray
+    copy(pid, build(as_int64(local_addrs, np.int64), as_int64(remote_addrs, np.int64), as_int64(lengths, np.int64)), deadline)
 
 
 # What one iovec costs beside its bytes, in bytes: ~0.38 us at ~11 GB/s, measured by timing
