@@ -5,6 +5,13 @@ the worker role to :class:`~rd2h.vllm.worker.RD2HWorker`. Roles: ``kv_producer``
 ``kv_consumer`` (Decode), ``kv_both``. Settings come from ``kv_connector_extra_config``
 (:class:`~rd2h.vllm.config.ConnectorConfig`).
 
+Under vLLM's ``MultiConnector`` rd2h must be listed first (docs/vllm.md, "Composition"): the
+first child that reports matched tokens loads a request, and rd2h's Prefill announces a layer
+before any later child sees it. A Decode request rd2h matched but vLLM gave to another loader
+is logged and counted (``load_not_taken``), never left waiting. Speculative decoding whose
+drafter has a KV cache of its own (draft model, EAGLE, MTP...) is refused at startup: rd2h
+does not transfer a drafter's KV (n-gram and the other drafters without KV are served).
+
 Hooks that exist only in some vLLM versions (vllm-ascend's ``wait_for_layer_send``,
 ``on_kv_cache_written``, ``requires_full_blocks_on_update_after_alloc``; upstream's
 ``get_transfer_results`` with ``failed_recving``, and the transfer statistics of
@@ -98,10 +105,54 @@ def _check_topology(config: ConnectorConfig, tp: int, kv_heads: int | None) -> N
         raise ConfigError(f"this engine has TP {tp}, peer_tp is {peer}: {exc}") from None
 
 
+def _check_speculative(vllm_config: Any) -> None:
+    """Refuse a drafter with KV cache layers of its own: vLLM registers them beside the model's
+    and Decode's drafter would need their prompt KV, which rd2h does not transfer (a Decode
+    waits for layers no Prefill announces; a Prefill's drafter writes its KV after the step's
+    announcements). Drafters without KV (n-gram, suffix, Medusa, MLP speculator) change nothing
+    the connector moves."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return
+    method = getattr(spec, "method", None)
+    uses_kv = getattr(spec, "uses_draft_kv_cache", None)
+    if (callable(uses_kv) and uses_kv()) or method not in _DRAFTERS_WITHOUT_KV:
+        raise ConfigError(
+            f"rd2h does not transfer a drafter's KV cache: speculative decoding method {method!r} is not one whose "
+            f"drafter has no KV cache ({', '.join(_DRAFTERS_WITHOUT_KV)}). A drafter's KV cache layers (draft "
+            "model, EAGLE, MTP...) are registered beside the model's, but no Prefill announces them for Decode's "
+            "drafter. Use method 'ngram' on Decode (tested), or run this engine without --speculative-config"
+        )
+
+
+_DRAFTERS_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
+
+
+def _known_by_name(cls: type) -> None:
+    """Put ``cls`` in vLLM's connector registry under its class name. ``MultiConnector`` files
+    its children's statistics under their class names and, where they crossed processes
+    (always: vLLM sends a dict), rebuilds them by looking that name up in the registry: a
+    subclass loaded by ``kv_connector_module_path`` (the tests' own) was not there, and the
+    engine's stats logger raised on every step."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", {})
+    if cls.__name__ in registry or "<locals>" in cls.__qualname__:
+        return
+    try:
+        KVConnectorFactory.register_connector(cls.__name__, cls.__module__, cls.__qualname__)
+    except ValueError:  # registered meanwhile (vLLM's plugin loader, another thread)
+        pass
+
+
 class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Disaggregated Prefill/Decode by layer-wise pull. See ``docs/vllm.md``."""
 
     worker_class: type[RD2HWorker] = RD2HWorker  # the worker role's state (a subclass may extend it)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _known_by_name(cls)
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -118,7 +169,9 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
         parallel = vllm_config.parallel_config
         tp = int(parallel.tensor_parallel_size)
-        check_parallel(parallel)  # pipeline parallel: refused at startup
+        # pipeline parallel: served on a Prefill (each stage sends its own layers), refused elsewhere
+        check_parallel(parallel, consumer=consumer, handoff=self.rd2h_config.handoff_port is not None)
+        _check_speculative(vllm_config)  # a drafter with KV layers of its own: refused at startup
         dp_rank = dp_rank_of(parallel)  # the global DP rank (vLLM resets data_parallel_rank for dense DP)
         # every KV cache group is pulled or the engine does not start (hybrid allocator, mamba...)
         check_groups(kv_cache_config, self.rd2h_config.mode)
@@ -128,6 +181,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._scheduler: RD2HScheduler | None = None
         self._worker: RD2HWorker | None = None
         self._local = SchedulerTally()
+        self._matched: dict[str, int] = {}  # Decode: req id -> tokens rd2h said it would pull
+        self._not_taken = 0  # ... that vLLM then allocated without them (another loader took it)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = RD2HScheduler(
                 self.rd2h_config, consumer=consumer, producer=producer, block_sizes=sizes, tp_size=tp,
@@ -237,16 +292,38 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
-            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+            count, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception:  # noqa: BLE001
             log.exception("rd2h: request %s served locally after an error", getattr(request, "request_id", "?"))
             return 0, False
+        if count:
+            self._matched[request.request_id] = count
+        return count, load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        matched = self._matched.pop(getattr(request, "request_id", None), 0)
         try:
+            if matched and not num_external_tokens:
+                self._load_not_taken(request, matched)
+                return
             self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception:  # noqa: BLE001
             log.exception("rd2h: request %s: error after allocation", getattr(request, "request_id", "?"))
+
+    def _load_not_taken(self, request: Any, matched: int) -> None:
+        """rd2h said it would pull ``matched`` tokens, and vLLM allocated the request without
+        them: under MultiConnector a child listed before rd2h reported a hit and loads it, or
+        vLLM's scheduler dropped the load. Nothing is pulled or posted; rd2h's claim on the
+        request's id is released (the finish hook does exactly that for a request that pulls
+        nothing) so that it cannot block a later request."""
+        self._not_taken += 1
+        log.warning(
+            "request %s: rd2h matched %d prompt tokens to pull but vLLM allocated it without them (under "
+            "MultiConnector a connector listed before rd2h loads it: list rd2h first); no rendezvous is posted and "
+            "the request is served without rd2h (%d such requests so far)",
+            request.request_id, matched, self._not_taken,
+        )  # fmt: skip
+        self.scheduler.request_finished(request, ((),))
 
     def requires_full_blocks_on_update_after_alloc(self) -> bool:
         """vllm-ascend: rd2h wants every block of the request (the whole table from 0)."""
@@ -259,11 +336,13 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._matched.pop(request.request_id, None)
         return self.scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._matched.pop(request.request_id, None)
         return self.scheduler.request_finished(request, block_ids)
 
     # -- statistics (vLLM's KVConnectorStats: its log line and its /metrics) ----------------
@@ -274,7 +353,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is not None:
             return self._worker.stats()
         if self._scheduler is not None:
-            return self._local.take(self._scheduler.stats)
+            return self._local.take({**self._scheduler.stats, "load_not_taken": self._not_taken})
         return None
 
     @classmethod
@@ -296,3 +375,6 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         return None  # any layout whose blocks are dense pages on dimension 0 (or [2, blocks, ...])
+
+
+_known_by_name(RD2HConnector)  # kv_connector_module_path without the entry point: MultiConnector's stats
