@@ -93,7 +93,7 @@ class TorchDevice(CopyDevice):
             stream.wait_event(event)
 
     def record(self, stream: Any) -> Any:
-        event = self._mod.Event()
+        event = self._mod.Event(blocking=True)  # a waiting thread sleeps: none of ours may spin
         event.record(stream)
         return event
 
@@ -111,6 +111,7 @@ class TorchDevice(CopyDevice):
             return
         with self._mod.stream(stream):  # scratch from the copy stream's pool: reused only in its order
             scratch = self._torch.index_select(src_rows, 0, self._index(ids))
+            # one copy into pinned rows (contiguous where a slot's layers have equal blocks)
             dst_rows[:n].copy_(scratch, non_blocking=True)
 
     def scatter_from_host(self, stream: Any, src_rows: Any, dst_rows: Any, ids: np.ndarray) -> None:
