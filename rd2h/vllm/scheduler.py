@@ -383,7 +383,7 @@ class RD2HScheduler:
                 del self._send[req_id]
                 for target in send.targets:
                     self._sending.pop(target.ext_id, None)
-                send_abort += [t.ext_id for t in send.targets]  # a whole one not yet sent: ignored
+                send_abort += [t.ext_id for t in send.targets if send.started]  # a whole one: if sent
                 continue
             new_ids = cached.new_block_ids[i]
             if send.pending is not None:
