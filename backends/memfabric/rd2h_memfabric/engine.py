@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.engine_support import breaks_session_on_timeout, check_read
+from rd2h.engine_support import breaks_session_on_timeout, check_read, check_region_kinds
 from rd2h.errors import ConfigError, PeerGoneError, PortError, TransferError
-from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
+from rd2h.interfaces import HOST_ONLY, Availability, Capability, MemoryKinds, Region, Session, TransferEngine
 from rd2h.layout.regions import RegionSet
 from rd2h_memfabric import _metadata, _native
 
@@ -33,6 +33,7 @@ _ROLES = ("prefill", "decode")
 DEFAULT_TIMEOUT = 30.0
 # A legacy peer's registered regions are unknown: its session may name any address below 2**63.
 _UNPROVEN_END = 2**63 - 1
+_ALL_KINDS = MemoryKinds(frozenset({"host", "npu"}), frozenset({"host", "npu"}))
 
 
 class MemFabricSession(Session):
@@ -104,6 +105,18 @@ class MemFabricEngine(TransferEngine):
         ok, reason = _native.environment()
         return Availability(ok, reason)
 
+    @classmethod
+    def memory_kinds(cls) -> MemoryKinds:
+        """Host and Ascend NPU memory, both ways: memfabric's device data paths (SDMA, device
+        RDMA) copy device-to-host, host-to-device, device-to-device and host-to-host. An
+        engine on the ``host_tcp`` path moves host memory only (``data_path_kinds``)."""
+        return _ALL_KINDS
+
+    def data_path_kinds(self) -> MemoryKinds:
+        """What this engine's data path moves: host only on ``host_tcp`` (memfabric's CPU
+        transport copies with the CPU), host and NPU on ``sdma`` and ``device_rdma``."""
+        return HOST_ONLY if self.data_op == "host_tcp" else _ALL_KINDS
+
     def __init__(
         self,
         role: str,
@@ -163,15 +176,10 @@ class MemFabricEngine(TransferEngine):
 
     def register(self, regions: Sequence[Region]) -> bytes:
         """Register more memory (merged with what is registered) and return metadata covering
-        all of it. Raises ``TransferError`` when memfabric refuses or the engine is closed,
+        all of it. Raises ``TransferError`` for memory this engine's data path does not move
+        (``data_path_kinds``), when memfabric refuses or the engine is closed,
         ``TransferTimeout`` when it does not answer."""
-        if self.data_op == "host_tcp":
-            for r in regions:
-                if r.device != "cpu":
-                    raise TransferError(
-                        f"region {r.addr:#x}+{r.length} is on {r.device!r}: memfabric's host_tcp path moves "
-                        "host memory only (use data_op='sdma' or 'device_rdma' on an Ascend machine)"
-                    )
+        check_region_kinds(self, regions, self.data_path_kinds())
         with self._lock:
             self._check_open()
             bounds = RegionSet([*self._bounds, *((r.addr, r.length) for r in regions)])

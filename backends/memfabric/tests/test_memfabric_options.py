@@ -5,13 +5,14 @@ Nothing here imports memfabric_hybrid (a guard makes sure), so these run in any 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
 import pytest
 
 from rd2h.errors import BackendUnavailableError, ConfigError, PortError, TransferError
-from rd2h.interfaces import Availability
+from rd2h.interfaces import Availability, MemoryKinds
 from rd2h.layout.regions import RegionSet
 from rd2h.plugins import engine_class
 from rd2h_memfabric import MemFabricEngine, _metadata, _native
@@ -185,3 +186,14 @@ def test_native_error_lines_since_a_mark() -> None:
     errors.add("first")
     errors.add("second")
     assert errors.since(mark) == "second"
+
+
+def test_declares_host_and_npu_memory_and_host_only_on_host_tcp() -> None:
+    """memfabric's device paths (SDMA, device RDMA) move Ascend NPU memory both ways; its
+    host_tcp transport copies with the CPU and moves host memory only."""
+    both = frozenset({"host", "npu"})
+    assert MemFabricEngine.memory_kinds() == MemoryKinds(both, both)
+    for data_op, kinds in (("host_tcp", MemoryKinds()), ("sdma", MemoryKinds(both, both)), ("device_rdma", MemoryKinds(both, both))):
+        engine = MemFabricEngine.__new__(MemFabricEngine)  # no memfabric: only the data path matters here
+        engine._native = SimpleNamespace(config=SimpleNamespace(data_op=data_op))
+        assert engine.data_path_kinds() == kinds, data_op

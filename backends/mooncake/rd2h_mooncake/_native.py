@@ -9,15 +9,17 @@ with the first one's.
 from __future__ import annotations
 
 import ctypes.util
+import importlib.metadata
 import importlib.util
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 from rd2h.errors import BackendUnavailableError, ConfigError
 
-__all__ = ["Knobs", "environment", "import_engine", "apply", "INSTALL_HINT"]
+__all__ = ["Knobs", "environment", "device_types", "import_engine", "apply", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'rd2h[mooncake]' (the wheel mooncake-transfer-engine-non-cuda)"
 
@@ -50,6 +52,36 @@ def environment() -> tuple[bool, str]:
     if ctypes.util.find_library("ibverbs") is None:
         return False, "mooncake's engine needs libibverbs.so.1 even for TCP: apt-get install libibverbs1 librdmacm1"
     return True, ""
+
+
+# Mooncake's wheels by build, as published on PyPI: the CUDA builds register a GPU buffer
+# under its location and copy to and from it; the others move host memory only through rd2h.
+# (The -npu and -musa builds are device builds too, but of transports this engine does not
+# drive and has not been tried with: they are declared host only until someone does.)
+CUDA_BUILDS = (
+    "mooncake-transfer-engine", "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine-efa", "mooncake-transfer-engine-efa-cuda13",
+)  # fmt: skip
+HOST_BUILDS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-efa-non-cuda")
+
+
+def device_types(installed: Callable[[str], bool] | None = None) -> frozenset[str]:
+    """The device types the installed mooncake wheel moves besides host memory: ``{"cuda"}``
+    for a CUDA build, nothing for a non-CUDA one, nothing when both kinds are installed (one
+    overwrote the other's files, and which one won cannot be told without importing it).
+    ``installed(name)`` says whether a distribution is installed (a test passes its own)."""
+    has = installed or _installed
+    if any(has(name) for name in CUDA_BUILDS) and not any(has(name) for name in HOST_BUILDS):
+        return frozenset({"cuda"})
+    return frozenset()
+
+
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def import_engine() -> ModuleType:

@@ -25,10 +25,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.engine_support import answers_at, bounded_call, breaks_session_on_timeout, check_host_regions, check_read, goes_quiet
+from rd2h.engine_support import (
+    answers_at,
+    bounded_call,
+    breaks_session_on_timeout,
+    check_read,
+    check_region_kinds,
+    goes_quiet,
+)
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
-from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
-from rd2h.layout.regions import RegionSet
+from rd2h.interfaces import Availability, Capability, MemoryKinds, Region, Session, TransferEngine
+from rd2h.layout.regions import HOST, RegionSet, merge_by_kind
 from rd2h_mooncake import _metadata, _native
 
 __all__ = ["MooncakeEngine", "MooncakeSession"]
@@ -44,6 +51,12 @@ _OPTIONS = (
 )
 DEFAULT_TIMEOUT = 30.0
 PROBE_TIMEOUT_S = 2.0  # how long a failed read waits to learn whether the peer still answers
+
+
+def _location(kind: str) -> str:
+    """Mooncake's name for where memory of ``kind`` lives: ``"cpu:0"`` for host memory (it
+    needs no NUMA node to move it), the kind itself for a GPU (``"cuda:0"``)."""
+    return "cpu:0" if kind == HOST else kind
 
 
 class MooncakeSession(Session):
@@ -107,6 +120,15 @@ class MooncakeEngine(TransferEngine):
         ok, reason = _native.environment()
         return Availability(ok, reason)
 
+    @classmethod
+    def memory_kinds(cls) -> MemoryKinds:
+        """Host memory, and CUDA memory both ways with a CUDA build of mooncake installed
+        (``mooncake-transfer-engine``, ``-cuda13``, ``-efa``): mooncake registers a GPU buffer
+        under its location (``"cuda:N"``) and its transports copy to and from it. The
+        ``-non-cuda`` wheel moves host memory only (``_native.device_types``)."""
+        kinds = frozenset({HOST, *_native.device_types()})
+        return MemoryKinds(kinds, kinds)
+
     def __init__(
         self,
         role: str,
@@ -156,7 +178,8 @@ class MooncakeEngine(TransferEngine):
         self._active = 0
         self._closed = False
         self._bounds = RegionSet()
-        self._native_regions: dict[int, int] = {}  # addr -> length, as registered with mooncake
+        self._regions: list[Region] = []  # everything registered, merged kind by kind
+        self._native_regions: dict[int, tuple[int, str]] = {}  # addr -> (length, location), as mooncake holds them
         self._peer_locks: dict[str, threading.Lock] = {}
         te = mc.TransferEngine()
         rc = bounded_call(
@@ -177,35 +200,40 @@ class MooncakeEngine(TransferEngine):
         return self._session_id
 
     def register(self, regions: Sequence[Region]) -> bytes:
-        """Add host regions; returns metadata covering all of them.
+        """Add regions; returns metadata covering all of them. Each is registered with
+        mooncake under its location: ``"cpu:0"`` for host memory, its kind (``"cuda:0"``)
+        for device memory.
 
-        Raises ``TransferError`` for device memory, a closed engine or a refusal by mooncake.
+        Raises ``TransferError`` for memory of a kind this build of mooncake does not move
+        (``memory_kinds``), a closed engine or a refusal by mooncake.
         """
-        check_host_regions("mooncake", regions)
+        check_region_kinds(self, regions)
         with self._lock:
             self._check_open()
+            merged = merge_by_kind([*self._regions, *regions])
             bounds = RegionSet([*self._bounds, *((r.addr, r.length) for r in regions)])
-            self._sync_native(dict(bounds))
-            self._bounds = bounds
+            self._sync_native({r.addr: (r.length, _location(r.kind)) for r in merged})
+            self._bounds, self._regions = bounds, merged
             return _metadata.encode(self._session_id, list(bounds))
 
-    def _sync_native(self, wanted: dict[int, int]) -> None:
+    def _sync_native(self, wanted: dict[int, tuple[int, str]]) -> None:
         """Make mooncake's registrations equal ``wanted`` (merged ranges replace their parts)."""
         te = self._te
-        for addr, length in list(self._native_regions.items()):
-            if wanted.get(addr) != length:
+        for addr, entry in list(self._native_regions.items()):
+            if wanted.get(addr) != entry:
                 rc = bounded_call("mooncake", "unregister_memory", lambda a=addr: te.unregister_memory(a), self.timeout)
                 if rc != 0:
                     raise TransferError(f"mooncake unregister_memory({addr:#x}) failed (rc {rc})")
                 del self._native_regions[addr]
-        for addr, length in wanted.items():
+        for addr, (length, location) in wanted.items():
             if addr not in self._native_regions:
                 rc = bounded_call(
-                    "mooncake", "register_memory", lambda a=addr, n=length: te.register_memory(a, n, "cpu:0"), self.timeout
-                )
+                    "mooncake", "register_memory",
+                    lambda a=addr, n=length, at=location: te.register_memory(a, n, at), self.timeout,
+                )  # fmt: skip
                 if rc != 0:
-                    raise TransferError(f"mooncake register_memory({addr:#x}, {length}) failed (rc {rc})")
-                self._native_regions[addr] = length
+                    raise TransferError(f"mooncake register_memory({addr:#x}, {length}, {location!r}) failed (rc {rc})")
+                self._native_regions[addr] = (length, location)
 
     def connect(self, peer_metadata: bytes) -> MooncakeSession:
         """A session to the engine that produced ``peer_metadata``.

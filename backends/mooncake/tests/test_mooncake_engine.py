@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
-from rd2h.interfaces import Availability, Region
+from rd2h.interfaces import Availability, MemoryKinds, Region
+from rd2h.layout.regions import RegionSet
 from rd2h.plugins import engine_class, list_backends, load_engine
 from rd2h.testing.peer import PeerProcess
 from rd2h_mooncake import MooncakeEngine, _metadata, _native
@@ -158,9 +160,49 @@ def test_connect_to_a_dead_peer_is_peer_gone(reader: MooncakeEngine, peer: PeerP
         reader.connect(peer.metadata)
 
 
-def test_device_regions_are_refused(reader: MooncakeEngine) -> None:
-    with pytest.raises(TransferError, match="host memory only"):
-        reader.register([Region(1 << 30, 4096, device="cuda:0")])
+def test_declares_cuda_only_for_a_cuda_build_of_mooncake() -> None:
+    """The kinds follow the wheel installed: the -non-cuda wheel (installed here) moves host
+    memory only; the CUDA builds register GPU memory under its location."""
+    assert MooncakeEngine.memory_kinds() == MemoryKinds()  # mooncake-transfer-engine-non-cuda here
+    for names, expected in (
+        ({"mooncake-transfer-engine"}, {"cuda"}),
+        ({"mooncake-transfer-engine-cuda13"}, {"cuda"}),
+        ({"mooncake-transfer-engine-efa"}, {"cuda"}),
+        ({"mooncake-transfer-engine-non-cuda"}, set()),
+        ({"mooncake-transfer-engine-npu"}, set()),
+        ({"mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"}, set()),
+    ):
+        assert _native.device_types(names.__contains__) == expected, names
+
+
+def test_device_regions_are_refused_by_a_non_cuda_build(reader: MooncakeEngine) -> None:
+    with pytest.raises(TransferError, match="host memory only") as info:
+        reader.register([Region(1 << 30, 4096, kind="cuda:0")])
+    assert "cuda:0 memory" in str(info.value) and "nixl" in str(info.value)
+
+
+def test_a_cuda_build_registers_gpu_memory_under_its_location(
+    reader: MooncakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a CUDA build, a GPU region goes to mooncake with location "cuda:N" and a host
+    region with "cpu:0" (no GPU here: mooncake's own register_memory is recorded, not run)."""
+    monkeypatch.setattr(_native, "device_types", lambda: frozenset({"cuda"}))
+    calls: list[tuple[int, int, str]] = []
+
+    class Recorder:
+        def register_memory(self, addr: int, length: int, location: str) -> int:
+            calls.append((addr, length, location))
+            return 0
+
+        def unregister_memory(self, addr: int) -> int:
+            return 0
+
+    engine = MooncakeEngine.__new__(MooncakeEngine)
+    engine.__dict__.update(reader.__dict__)  # the real engine's state, with mooncake recorded
+    engine._te, engine._regions, engine._native_regions, engine._bounds = Recorder(), [], {}, RegionSet()
+    engine._lock, engine._closed = threading.Lock(), False
+    engine.register([Region(0x7F0000000000, 8192, kind="cuda:1"), Region(0x10000, 4096), Region(0x7F0000002000, 4096, kind="cuda:1")])
+    assert sorted(calls) == [(0x10000, 4096, "cpu:0"), (0x7F0000000000, 12288, "cuda:1")]
 
 
 def test_merged_registrations_replace_their_parts(reader: MooncakeEngine) -> None:
@@ -168,7 +210,7 @@ def test_merged_registrations_replace_their_parts(reader: MooncakeEngine) -> Non
     base = np.frombuffer(mem, dtype=np.uint8).ctypes.data
     reader.register([Region(base, 4096)])
     reader.register([Region(base + 4096, 4096)])
-    assert reader._native_regions.get(base) == 2 * 4096
+    assert reader._native_regions.get(base) == (2 * 4096, "cpu:0")
     assert base + 4096 not in reader._native_regions
 
 

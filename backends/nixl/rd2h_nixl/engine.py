@@ -11,6 +11,10 @@ the request is its progress. The serving side keeps one (UCX over TCP emulates a
 with messages the target must progress). NIXL checks remote ranges only against the peer's
 registrations and never bounds a transfer: a request to a stopped TCP peer stays in
 progress for ever. So this engine checks both ends itself and bounds every request.
+
+GPU memory is registered as NIXL ``VRAM`` with its device index (UCX then picks ``cuda_ipc``
+between two processes of one host, RDMA across hosts); a read whose ranges span several kinds
+of memory is one request per pair of kinds, posted together and polled together.
 """
 
 from __future__ import annotations
@@ -23,15 +27,15 @@ import threading
 import time
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from rd2h.engine_support import breaks_session_on_timeout, check_host_regions, check_read
+from rd2h.engine_support import breaks_session_on_timeout, check_read, check_region_kinds
 from rd2h.errors import BackendUnavailableError, ConfigError, TransferError, TransferTimeout
-from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
-from rd2h.layout.regions import RegionSet
+from rd2h.interfaces import Availability, Capability, MemoryKinds, Region, Session, TransferEngine
+from rd2h.layout.regions import HOST, KindIndex, RegionSet, device_index, device_type, merge_by_kind
 from rd2h_nixl import _metadata, _native
 
 __all__ = ["NixlEngine", "NixlSession"]
@@ -46,16 +50,35 @@ DEFAULT_TIMEOUT = 30.0
 GRACE_S = 1.0  # how long past its deadline a request may take to be cancelled and released
 SPIN_S = 0.001  # a READ is polled flat out this long, then every poll_interval_us
 _names = itertools.count()
+# Host and CUDA memory, both ways: the nixl wheels (nixl-cu12, nixl-cu13) are CUDA builds whose
+# UCX backend registers GPU memory as VRAM.
+_KINDS = MemoryKinds(frozenset({HOST, "cuda"}), frozenset({HOST, "cuda"}))
+
+
+class Group(NamedTuple):
+    """The ranges of one read between one local and one remote memory kind, as NIXL
+    descriptors ``(addr, length, device index)``: one NIXL request."""
+
+    local_kind: str
+    local: np.ndarray
+    remote_kind: str
+    remote: np.ndarray
+
+
+def _descs(addrs: Int64Array, lengths: Int64Array, kind: str) -> np.ndarray:
+    device = np.full(len(addrs), device_index(kind), dtype=np.int64)
+    return np.stack([addrs, lengths, device], axis=1).astype(np.uint64)
 
 
 class NixlSession(Session):
     """A loaded remote agent and the regions its engine registered."""
 
-    def __init__(self, engine: NixlEngine, agent: str, regions: list[tuple[int, int]]) -> None:
+    def __init__(self, engine: NixlEngine, agent: str, regions: Sequence[Region]) -> None:
         self.engine = engine
         self.agent = agent
         self.bounds = RegionSet(regions)
-        self._regions = tuple(Region(a, n) for a, n in self.bounds)
+        self.kinds = KindIndex(regions)  # the memory kind of every remote range
+        self._regions = tuple(merge_by_kind(regions))
         self.closed = False
         self.broken = ""  # why reads are refused after a request could not be released
 
@@ -93,7 +116,9 @@ class NixlEngine(TransferEngine):
     name = "nixl"
     capabilities = (
         Capability.READ_FROM_HOST
+        | Capability.READ_FROM_DEVICE
         | Capability.WRITE_TO_HOST
+        | Capability.WRITE_TO_DEVICE
         | Capability.CROSS_HOST
         | Capability.NEEDS_REGISTERED_DESTINATIONS
     )
@@ -102,6 +127,12 @@ class NixlEngine(TransferEngine):
     def availability(cls) -> Availability:
         ok, reason = _native.environment()
         return Availability(ok, reason)
+
+    @classmethod
+    def memory_kinds(cls) -> MemoryKinds:
+        """Host and CUDA memory, read from and written to: GPU memory is registered as NIXL
+        VRAM with its device index, host memory as DRAM."""
+        return _KINDS
 
     def __init__(
         self,
@@ -149,7 +180,9 @@ class NixlEngine(TransferEngine):
         self._active = 0
         self._closed = False
         self._bounds = RegionSet()
-        self._reg_lists: dict[tuple[int, int], Any] = {}  # (addr, length) -> its nixlRegDList
+        self._regions: list[Region] = []  # everything registered, merged kind by kind
+        self._kinds = KindIndex()  # the memory kind of every local destination
+        self._reg_lists: dict[Region, Any] = {}  # merged region -> its nixlRegDList
         self._remotes: dict[str, bytes] = {}  # loaded remote agents -> the metadata loaded
         self._stuck: list[Any] = []  # requests NIXL would not release; kept so nothing frees them
         self._agent, self._backend = _native.call(
@@ -177,28 +210,42 @@ class NixlEngine(TransferEngine):
         return self.agent_name
 
     def register(self, regions: Sequence[Region]) -> bytes:
-        """Add host regions; returns metadata (this agent's NIXL metadata included) covering all.
+        """Add regions (host memory as DRAM, GPU memory as VRAM of its device); returns
+        metadata (this agent's NIXL metadata and each region's kind included) covering all.
 
-        Raises ``TransferError`` for device memory, a closed engine or a refusal by NIXL.
+        Raises ``TransferError`` for memory of a kind NIXL does not move here
+        (``memory_kinds``), regions of two kinds that overlap, a closed engine or a refusal
+        by NIXL.
         """
-        check_host_regions("nixl", regions)
+        check_region_kinds(self, regions)
         with self._lock:
             self._check_open()
+            merged = merge_by_kind([*self._regions, *regions])
+            try:
+                kinds = KindIndex(merged)
+            except ValueError as exc:
+                raise TransferError(f"nixl cannot register these regions: {exc}") from None
             bounds = RegionSet([*self._bounds, *((r.addr, r.length) for r in regions)])
-            _native.call("registerMem", lambda: self._sync_registrations(set(bounds)), self.timeout)
-            self._bounds = bounds
+            _native.call("registerMem", lambda: self._sync_registrations(set(merged)), self.timeout)
+            self._bounds, self._regions, self._kinds = bounds, merged, kinds
             agent_md = _native.call("getLocalMD", self._agent.getLocalMD, self.timeout)
-            return _metadata.encode(self.agent_name, agent_md, list(bounds))
+            ranges = [(r.addr, r.length) for r in merged]
+            return _metadata.encode(self.agent_name, agent_md, ranges, [r.kind for r in merged])
 
-    def _sync_registrations(self, wanted: set[tuple[int, int]]) -> None:
+    def _segment(self, kind: str) -> Any:
+        """NIXL's memory type for ``kind``: DRAM for host memory, VRAM for a GPU's."""
+        return self._nx.DRAM_SEG if device_type(kind) == HOST else self._nx.VRAM_SEG
+
+    def _sync_registrations(self, wanted: set[Region]) -> None:
         """Make the agent's registrations equal ``wanted`` (merged ranges replace their parts)."""
         nx = self._nx
         for key in [k for k in self._reg_lists if k not in wanted]:
             self._agent.deregisterMem(self._reg_lists.pop(key), [self._backend])
-        for addr, length in sorted(wanted - self._reg_lists.keys()):
-            reg = nx.nixlRegDList(nx.DRAM_SEG, [(addr, length, 0, "")])
+        for region in sorted(wanted - self._reg_lists.keys(), key=lambda r: (r.kind, r.addr)):
+            desc = (region.addr, region.length, device_index(region.kind), "")
+            reg = nx.nixlRegDList(self._segment(region.kind), [desc])
             self._agent.registerMem(reg, [self._backend])
-            self._reg_lists[(addr, length)] = reg
+            self._reg_lists[region] = reg
 
     def connect(self, peer_metadata: bytes) -> NixlSession:
         """Load the peer's agent and connect to it.
@@ -207,7 +254,12 @@ class NixlEngine(TransferEngine):
         ``PeerGoneError`` when the peer does not answer.
         """
         self._check_open()
-        name, agent_md, regions = _metadata.decode(peer_metadata)
+        name, agent_md, ranges, kinds = _metadata.decode(peer_metadata)
+        try:
+            regions = [Region(a, n, k) for (a, n), k in zip(ranges, kinds)]
+            KindIndex(regions)
+        except ValueError as exc:
+            raise _metadata.ENVELOPE.malformed(str(exc)) from None
         with self._lock:
             self._check_open()
             if self._remotes.get(name) != agent_md:
@@ -240,9 +292,7 @@ class NixlEngine(TransferEngine):
         n = check_read(self, session, self._bounds, local_addrs, remote_addrs, lengths)
         if n == 0:
             return
-        zeros = np.zeros(n, dtype=np.int64)
-        local = np.stack([local_addrs, lengths, zeros], axis=1).astype(np.uint64)
-        remote = np.stack([remote_addrs, lengths, zeros], axis=1).astype(np.uint64)
+        groups = self._groups(session, local_addrs, remote_addrs, lengths)
         deadline = time.monotonic() + self.timeout
         with self._lock:
             self._check_open()
@@ -252,7 +302,7 @@ class NixlEngine(TransferEngine):
             # counted out by the thread inside the agent, not by the caller: a caller that gave
             # up must not let close() tear the agent down under a read still running
             try:
-                return self._read(session, local, remote, deadline)
+                return self._read(session, groups, deadline)
             finally:
                 with self._lock:
                     self._active -= 1
@@ -263,31 +313,56 @@ class NixlEngine(TransferEngine):
         if outcome:
             raise TransferTimeout(f"nixl read of {n} ranges from {session.peer_id}: {outcome}")
 
-    def _read(self, session: NixlSession, local: np.ndarray, remote: np.ndarray, deadline: float) -> str:
-        """Post and poll one request (in a bounded thread); "" when done, else why it timed out."""
+    def _groups(
+        self, session: NixlSession, local_addrs: Int64Array, remote_addrs: Int64Array, lengths: Int64Array
+    ) -> list[Group]:
+        """One ``Group`` per pair of memory kinds the ranges span (a NIXL descriptor list holds
+        one memory type); one, without a lookup, where each side holds one kind (host memory,
+        as a rule)."""
+        local_kind, remote_kind = self._kinds.uniform, session.kinds.uniform
+        if local_kind is not None and remote_kind is not None:
+            local, remote = _descs(local_addrs, lengths, local_kind), _descs(remote_addrs, lengths, remote_kind)
+            return [Group(local_kind, local, remote_kind, remote)]
+        # check_read put every range inside a registered region: every code is >= 0
+        width = len(session.kinds.kinds)
+        pair = self._kinds.codes(local_addrs) * width + session.kinds.codes(remote_addrs)
+        groups = []
+        for code in np.unique(pair).tolist():
+            pick = pair == code
+            lk, rk = self._kinds.kinds[code // width], session.kinds.kinds[code % width]
+            local, remote = _descs(local_addrs[pick], lengths[pick], lk), _descs(remote_addrs[pick], lengths[pick], rk)
+            groups.append(Group(lk, local, rk, remote))
+        return groups
+
+    def _read(self, session: NixlSession, groups: list[Group], deadline: float) -> str:
+        """Post every group's request and poll them together (in a bounded thread); "" when
+        all are done, else why they timed out."""
         nx, agent = self._nx, self._agent
-        req = agent.createXferReq(
-            nx.NIXL_READ, nx.nixlXferDList(nx.DRAM_SEG, local), nx.nixlXferDList(nx.DRAM_SEG, remote),
-            session.agent, b"", [self._backend],
-        )  # fmt: skip
+        reqs: list[Any] = []
         try:
-            status = agent.postXferReq(req, b"")
+            for g in groups:
+                local = nx.nixlXferDList(self._segment(g.local_kind), g.local)
+                remote = nx.nixlXferDList(self._segment(g.remote_kind), g.remote)
+                reqs.append(agent.createXferReq(nx.NIXL_READ, local, remote, session.agent, b"", [self._backend]))
+            statuses = [agent.postXferReq(req, b"") for req in reqs]
             spin_until = time.monotonic() + SPIN_S
-            while status == nx.NIXL_IN_PROG and (now := time.monotonic()) < deadline:
+            while nx.NIXL_IN_PROG in statuses and (now := time.monotonic()) < deadline:
                 if now > spin_until:
                     time.sleep(self.poll_sleep_s)
-                status = agent.getXferStatus(req)
+                statuses = [agent.getXferStatus(r) if st == nx.NIXL_IN_PROG else st for r, st in zip(reqs, statuses)]
         except BaseException:
-            self._release(session, req)
+            for req in reqs:
+                self._release(session, req)
             raise
-        if status == nx.NIXL_IN_PROG:
+        released = [self._release(session, req) for req in reqs]  # every one, whatever the others did
+        if nx.NIXL_IN_PROG in statuses:
             why = f"still in progress after {self.timeout} s (a stopped peer or a cut link)"
-            if not self._release(session, req):
+            if not all(released):
                 session.broken = why + "; NIXL could not cancel it"
             return why
-        self._release(session, req)
-        if status != nx.NIXL_SUCCESS:
-            raise TransferError(f"nixl read from {session.peer_id} ended with status {status}")
+        failed = [st for st in statuses if st != nx.NIXL_SUCCESS]
+        if failed:
+            raise TransferError(f"nixl read from {session.peer_id} ended with status {failed[0]}")
         return ""
 
     def _release(self, session: NixlSession, req: Any) -> bool:

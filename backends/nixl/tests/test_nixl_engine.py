@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 from rd2h.errors import BackendUnavailableError, ConfigError, PeerGoneError, TransferError, TransferTimeout
-from rd2h.interfaces import Region
+from rd2h.interfaces import MemoryKinds, Region
+from rd2h.layout.regions import KindIndex
 from rd2h.plugins import engine_class, list_backends, load_engine
 from rd2h.testing.peer import PeerProcess
 from rd2h_nixl import NixlEngine, _metadata, _native
+from rd2h_nixl.engine import NixlSession
 
 TCP = {"UCX_TLS": "tcp,self"}  # keeps two processes of one host off cma, as on two hosts
 
@@ -113,7 +115,14 @@ def test_an_idle_progress_thread_does_not_spin() -> None:
 class TestMetadata:
     def test_round_trip(self) -> None:
         blob = _metadata.encode("agent-1", b"\x01md", [(4096, 8192)])
-        assert _metadata.decode(blob) == ("agent-1", b"\x01md", [(4096, 8192)])
+        assert _metadata.decode(blob) == ("agent-1", b"\x01md", [(4096, 8192)], ("host",))
+        blob = _metadata.encode("agent-1", b"\x01md", [(4096, 8192), (1 << 40, 4096)], ["host", "cuda:3"])
+        assert _metadata.decode(blob)[3] == ("host", "cuda:3")
+
+    def test_a_blob_without_kinds_is_host_memory(self) -> None:
+        """A peer from before the kinds field registered host memory only."""
+        old = msgpack.packb([b"rd2h-nixl", 1, "a", b"m", [[4096, 8192]]])
+        assert _metadata.decode(old)[3] == ("host",)
 
     @pytest.mark.parametrize(
         "blob",
@@ -124,6 +133,11 @@ class TestMetadata:
             msgpack.packb([b"rd2h-nixl", 1, "a", "not bytes", []]),
             msgpack.packb([b"rd2h-nixl", 1, "a", b"", []]),
             msgpack.packb([b"rd2h-nixl", 1, "a", b"m", [[1, 0]]]),
+            msgpack.packb([b"rd2h-nixl", 1, "a", b"m", [[4096, 1]], ["cuda"]]),
+            msgpack.packb([b"rd2h-nixl", 1, "a", b"m", [[4096, 1]], ["cpu"]]),
+            msgpack.packb([b"rd2h-nixl", 1, "a", b"m", [[4096, 1]], [0]]),
+            msgpack.packb([b"rd2h-nixl", 1, "a", b"m", [[4096, 1]], ["host", "host"]]),
+            msgpack.packb([b"rd2h-nixl", 1, "a", b"m", [[4096, 1]], "host"]),
         ],
     )
     def test_garbage_names_the_engine(self, blob: bytes) -> None:
@@ -135,9 +149,53 @@ def test_metadata_of_another_agent_is_refused() -> None:
     with NixlEngine("prefill") as a, NixlEngine("decode") as reader:
         mem = mmap.mmap(-1, 4096)
         real = a.register([Region(np.frombuffer(mem, np.uint8).ctypes.data, 4096)])
-        name, md, regions = _metadata.decode(real)
+        name, md, regions, kinds = _metadata.decode(real)
         with pytest.raises(TransferError, match="names agent"):
-            reader.connect(_metadata.encode("someone-else", md, regions))
+            reader.connect(_metadata.encode("someone-else", md, regions, kinds))
+
+
+def test_declares_host_and_cuda_memory() -> None:
+    both = frozenset({"host", "cuda"})
+    assert NixlEngine.memory_kinds() == MemoryKinds(both, both)
+
+
+def test_regions_of_two_kinds_that_overlap_are_refused() -> None:
+    with NixlEngine("decode") as reader:
+        blob = _metadata.encode("a", b"m", [(1 << 20, 8192), (1 << 20, 4096)], ["host", "cuda:0"])
+        with pytest.raises(TransferError, match="two memory kinds overlap"):
+            reader.connect(blob)
+
+
+def test_gpu_memory_is_registered_as_vram_of_its_device() -> None:
+    """A cuda region goes to NIXL as VRAM: with no GPU here, UCX finds host memory where
+    VRAM was promised and NIXL refuses it (as DRAM it would have been registered). The
+    refusal is a TransferError, and the engine goes on registering host memory."""
+    with NixlEngine("prefill") as engine:
+        mem = mmap.mmap(-1, 1 << 20)
+        addr = np.frombuffer(mem, np.uint8).ctypes.data
+        with pytest.raises(TransferError, match="registerMem"):
+            engine.register([Region(addr, 1 << 20, kind="cuda:0")])
+        name, _, regions, kinds = _metadata.decode(engine.register([Region(addr, 4096)]))
+        assert regions == [(addr, 4096)] and kinds == ("host",)
+
+
+def test_a_read_is_one_request_per_pair_of_kinds() -> None:
+    """Local destinations in host and GPU memory, remote sources in two GPUs: the batch is
+    cut into one NIXL descriptor list per (local kind, remote kind), each row carrying its
+    device index; host-only on both sides stays one list without a lookup."""
+    with NixlEngine("decode") as engine:
+        engine._kinds = KindIndex([Region(0x1000, 0x1000), Region(0x7F0000000000, 0x1000, "cuda:1")])
+        session = NixlSession(engine, "peer", [Region(0x10000, 0x1000, "cuda:0"), Region(0x7E0000000000, 0x1000, "cuda:2")])
+        local = np.array([0x1000, 0x7F0000000000, 0x1100, 0x7F0000000100], np.int64)
+        remote = np.array([0x10000, 0x10100, 0x7E0000000000, 0x10200], np.int64)
+        groups = engine._groups(session, local, remote, np.array([16, 32, 48, 64], np.int64))
+        got = {(g.local_kind, g.remote_kind): (g.local.tolist(), g.remote.tolist()) for g in groups}
+        assert got == {
+            ("host", "cuda:0"): ([[0x1000, 16, 0]], [[0x10000, 16, 0]]),
+            ("host", "cuda:2"): ([[0x1100, 48, 0]], [[0x7E0000000000, 48, 2]]),
+            ("cuda:1", "cuda:0"): ([[0x7F0000000000, 32, 1], [0x7F0000000100, 64, 1]], [[0x10100, 32, 0], [0x10200, 64, 0]]),
+        }
+        assert {nx for nx in (engine._segment("host"), engine._segment("cuda:1"))} == {engine._nx.DRAM_SEG, engine._nx.VRAM_SEG}
 
 
 @pytest.fixture
@@ -210,7 +268,7 @@ def test_a_range_the_peer_never_registered_is_a_transfer_error(tcp_reader: tuple
     # rd2h metadata that claims more than the agent registered passes rd2h's check; NIXL refuses
     engine, dest = tcp_reader
     with PeerProcess("nixl", sizes=(1 << 20,), seed=3) as peer:
-        name, agent_md, regions = _metadata.decode(peer.metadata)
+        name, agent_md, regions, _ = _metadata.decode(peer.metadata)
         (addr, length), *rest = regions
         session = engine.connect(_metadata.encode(name, agent_md, [(addr, length + 4096), *rest]))
         args = (np.array([dest.ctypes.data], np.int64), np.array([addr + length], np.int64), np.array([4096], np.int64))

@@ -100,7 +100,7 @@ def test_one_engine_per_process_shared_by_configuration() -> None:
         out = {"same_session": e1.session_id == e2.session_id}
         out["other_role"] = error(lambda: engine("prefill"))
         out["other_device"] = error(lambda: engine("decode", device_id=3))
-        out["npu_region"] = error(lambda: e1.register([Region(buf.ctypes.data, 4096, device="npu:0")]))
+        out["npu_region"] = error(lambda: e1.register([Region(buf.ctypes.data, 4096, kind="npu:0")]))
         e1.register([Region(buf.ctypes.data, buf.nbytes)])
         e2.register([Region(buf.ctypes.data, buf.nbytes // 2)])
         with peer() as p:
@@ -125,6 +125,7 @@ def test_one_engine_per_process_shared_by_configuration() -> None:
     kind, text = out["other_device"]
     assert kind == "ConfigError" and "device_id" in text and "device_id=3" in text
     assert out["npu_region"][0] == "TransferError" and "host memory only" in out["npu_region"][1]
+    assert "npu:0 memory" in out["npu_region"][1] and "memfabric" in out["npu_region"][1]
     assert out["after_e1_closed"]
     assert out["e2_outside_own_registration"][0] == "RegionError"
     assert out["reinit_reads"]
