@@ -249,9 +249,9 @@ def check_groups(kv_cache_config: Any, mode: Mode) -> list[GroupInfo]:
         if info.index not in pulled:
             problems.append(f"group {info.index} ({info.kind}, {len(info.layers)} layers: {_short(info.layers)}) "
                             f"has block ids of its own that rd2h {mode.value} mode does not pull")  # fmt: skip
-        elif not (info.pullable and (mode is Mode.DENSE or not info.window)) and not (
+        elif not (info.pullable and (not info.window or (mode is Mode.DENSE and len(infos) > 1))) and not (
             mode is Mode.SFA and info.index == 1
-        ):
+        ):  # a window is pulled by the several-groups path only (one group: the block ids as they are)
             problems.append(f"group {info.index} ({info.kind}, {len(info.layers)} layers: {_short(info.layers)}) "
                             "is a KV cache kind rd2h does not transfer")  # fmt: skip
     if problems:

@@ -120,6 +120,15 @@ def test_every_group_of_the_hybrid_allocator_is_pulled_in_dense_mode(model: Path
         check_groups(kv, Mode.SFA)
 
 
+def test_a_lone_sliding_window_group_is_refused_naming_it() -> None:
+    """One group: its block ids would be pulled as they are, null blocks before the window too."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    kv = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, specs()[LAYERS[0]])])
+    with pytest.raises(ConfigError, match=rf"group 0 \(sliding window \({WINDOW} tokens\).*does not transfer"):
+        check_groups(kv, Mode.DENSE)
+
+
 def test_chunked_local_attention_beside_full_is_refused_naming_it() -> None:
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
