@@ -124,6 +124,7 @@ class LayerReader:
         self.counters = counters
         self.on_layer = on_layer  # the sink may set it later (see Sink.on_layer)
         self._block_bytes = {name: _bytes_per_block(layout) for name, layout in layers.items()}
+        self._done_frames: dict[int, bytes] = {}
         # what a step repeats on every layer is derived once per step
         self._plans = StepPlans()  # a plan is read before the next is built
         self._plans.learn(layers.values(), regions)
@@ -204,16 +205,26 @@ class LayerReader:
         else:  # it named no request by a valid id: the whole layer is refused
             self.send(identity, protocol.ReadFailed.from_error(over.layer_idx, error))
 
-    def send(self, identity: bytes, message: protocol.Reply) -> RD2HError | None:
-        """Send a reply; the error if it could not be sent (it never blocks: see the channel)."""
+    def send(self, identity: bytes, message: protocol.Reply | int) -> RD2HError | None:
+        """Send a reply (an int: READ_DONE for that layer); the error if it could not be sent
+        (it never blocks: see the channel)."""
         try:
-            self._listener.send(identity, protocol.encode(message))
+            self._listener.send(identity, self._done(message) if type(message) is int else protocol.encode(message))
         except Exception as exc:  # noqa: BLE001 - the peer is gone or unreachable (a channel defect too)
             quiet(log).warning(
                 "reply not sent", (self.rank, identity), "rank %d: could not reply to %r: %s", self.rank, identity, exc
             )
             return exc if isinstance(exc, RD2HError) else ChannelError(f"reply not sent: {type(exc).__name__}: {exc}")
         return None
+
+    def _done(self, layer_idx: int) -> bytes:
+        """READ_DONE's frame for a layer, encoded once (a message and its checks cost ~4 us)."""
+        frame = self._done_frames.get(layer_idx)
+        if frame is None:
+            if len(self._done_frames) >= 1 << 14:  # layer indices are a peer's: bound the cache
+                self._done_frames.clear()
+            frame = self._done_frames[layer_idx] = protocol.encode(protocol.ReadDone(layer_idx))
+        return frame
 
     def _plan(
         self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission
@@ -270,7 +281,7 @@ class LayerReader:
         self, identity: bytes, batch: protocol.ReadReadyBatch, failures: Mapping[str, RD2HError]
     ) -> RD2HError | None:
         if not failures:
-            return self.send(identity, protocol.ReadDone(batch.layer_idx))
+            return self.send(identity, batch.layer_idx)
         quiet(log).warning(
             "layer failed", (self.rank, identity), "rank %d: layer %d failed for %d request(s): %s",
             self.rank, batch.layer_idx, len(failures), summarize(failures),

@@ -9,12 +9,12 @@ import errno
 
 import numpy as np
 import pytest
+from rd2h_local import LocalEngine, _iov, _sys
+from rd2h_local._bounds import FastBounds
 from test_local_engine import I64, Buffers, Recorder, arrays, expect
 
 from rd2h.errors import RegionError, TransferError
 from rd2h.interfaces import Region
-from rd2h_local import LocalEngine, _iov, _sys
-from rd2h_local._bounds import FastBounds
 
 
 @pytest.fixture
