@@ -469,8 +469,10 @@ class RD2HWorker:
         steps again: on a CPU host its engine and workers then spin through empty steps and
         take the cores the Prefill engine computes on (Decode workers at 70% CPU each and
         Prefill steps of 23 s at TP 2 on 2 cores). Such a step waits up to ``IDLE_WAIT_SECONDS``
-        for a transfer to end; it returns at once when one does."""
-        if self._bound is None or not self._bound.idle:
+        for a transfer to end; it returns at once when one does. A step that made this worker
+        expect a request does not wait: its report goes out with the step, and the rendezvous
+        (Prefill's start) waits for that report."""
+        if self._bound is None or not self._bound.idle or self._bound.recv:
             return
         if self.sink is not None and self._recv_req:
             self.sink.wait_any(IDLE_WAIT_SECONDS)

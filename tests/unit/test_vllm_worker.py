@@ -357,6 +357,26 @@ def test_an_idle_step_waits_for_a_transfer_and_a_busy_one_does_not(pair, monkeyp
 
 
 @pytest.mark.parametrize("pair", DENSE, indirect=True)
+def test_an_idle_step_that_expects_a_request_reports_it_without_waiting(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step that hands Decode's workers a new request computes nothing (the request waits
+    for its KV), and vLLM collects the transfer results before the worker's report. The
+    scheduler posts the rendezvous, which starts Prefill, only once it has that report: the
+    step must not wait for a transfer first (it cost every P/D request IDLE_WAIT_SECONDS of
+    TTFT). The next idle step, with the pull in flight, waits as before."""
+    decode = pair[1]
+    waits: list[float] = []
+    monkeypatch.setattr(decode.sink, "wait_any", lambda timeout: waits.append(timeout) or False)
+    decode.bind(StepMetadata(recv=(RecvSpec("r-0", "d-req", ((3,),), 0, 20),), idle=True))
+    decode.transfer_results()  # vLLM's order: transfer results, then the worker's report
+    assert waits == []
+    assert decode.worker_report().expected == {"r-0": 1}
+    decode.bind(StepMetadata(idle=True))
+    decode.transfer_results()
+    assert waits == [IDLE_WAIT_SECONDS]
+    assert decode.worker_report() is None
+
+
+@pytest.mark.parametrize("pair", DENSE, indirect=True)
 def test_bad_requests_fail_alone_in_every_hook_and_the_engine_serves_on(pair) -> None:
     """What used to escape bind_connector_metadata and kill the engine: a port past 65535, a
     first block of -5, a duplicate id, an endpoint that is not one. Each fails its own request
