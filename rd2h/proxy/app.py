@@ -6,7 +6,8 @@ through), ``GET /v1/models`` (a Decode's), ``GET /health``. Internal (engines an
 operators, its own listener): ``POST /v1/rd2h/rendezvous`` (the metaserver: only a body
 signed with the secret the proxy shares with the engines is heard; 404 for an id it does
 not wait for), ``GET /v1/rd2h/requests`` (the latest requests, only with ``Authorization:
-Bearer <token>``, see :func:`rd2h.vllm.vouch.token`), ``GET /metrics`` (Prometheus),
+Bearer <token>``, see :func:`rd2h.vllm.vouch.token`; each says when it passed each hop: ``t``,
+ms from ``t_origin``, a time.monotonic() reading), ``GET /metrics`` (Prometheus),
 ``GET /health`` (every instance's state; 200 once a warm Prefill and Decode are in rotation,
 see :mod:`rd2h.proxy.warmup`).
 
@@ -122,6 +123,9 @@ class _Pending:
     pinned: dict[str, Instance] = field(default_factory=dict)  # role -> the only instance to use (warm-up)
     warmup: bool = False  # the proxy's own request: no client metrics
 
+    def mark(self, name: str) -> None:  # the first time it passed ``name``, ms from ``started``
+        self.record.setdefault("t", {}).setdefault(name, round((time.monotonic() - self.started) * 1e3, 3))
+
 
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
@@ -194,6 +198,7 @@ class Proxy:
             url = instance.url + path
             request = self.client.build_request("POST", url, json=body, timeout=timeout, headers=pending.headers)
             instance.outstanding += 1
+            pending.mark(f"{pool.role}_sent")
             try:
                 response = await self.client.send(request, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -214,6 +219,7 @@ class Proxy:
                 instance.outstanding -= 1
                 raise
             instance.served += not pending.warmup
+            pending.mark(f"{pool.role}_answered")
             if stream:
                 pending.streams.append(instance)
             else:
@@ -231,6 +237,7 @@ class Proxy:
                 f"Decode did not post a rendezvous within {self.config.rendezvous_timeout:g} s"
             ) from None
         waited = time.monotonic() - started
+        pending.mark("rendezvous_all")
         self.metrics.rendezvous.observe(waited)
         pending.record["rendezvous_ms"] = round(waited * 1e3, 1)
         pending.record["children"] = [
@@ -267,6 +274,7 @@ class Proxy:
     # -- requests ------------------------------------------------------------------------
 
     async def handle(self, request: Request, path: str) -> Response:
+        arrived = time.monotonic()
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
         headers.setdefault("x-request-id", uuid.uuid4().hex)
         answer_headers = {"x-request-id": headers["x-request-id"]}
@@ -280,7 +288,7 @@ class Proxy:
             self.metrics.errors.labels("draining" if exc.status == 503 else "refused").inc()
             kind = "invalid_request_error" if exc.status < 500 else "rd2h_proxy_unavailable"
             return JSONResponse(error_body(str(exc), kind, exc.status), exc.status, headers=answer_headers)
-        pending, prefill, decode = self.begin(path, body, (prompts, samples), headers)
+        pending, prefill, decode = self.begin(path, body, (prompts, samples), headers, arrived=arrived)
         stream = bool(body.get("stream"))
         try:
             try:
@@ -307,7 +315,7 @@ class Proxy:
         )
 
     def begin(self, path: str, body: dict[str, Any], shape: tuple[int, int], headers: dict[str, str], *,
-               pinned: dict[str, Instance] | None = None,
+               pinned: dict[str, Instance] | None = None, arrived: float | None = None,
                ) -> tuple[_Pending, asyncio.Task[None], asyncio.Task[httpx.Response]]:
         """Both legs of a request under way: Decode's now, Prefill's once every rendezvous is in."""
         prompts, samples = shape
@@ -318,6 +326,8 @@ class Proxy:
         if pinned:
             record["warmup"] = True
         pending = _Pending(rid, prompts, futures, headers, record, pinned=dict(pinned or {}), warmup=bool(pinned))
+        pending.started = record["t_origin"] = time.monotonic() if arrived is None else arrived  # monotonic s
+        pending.mark("begun")
         self.pending[rid] = pending
         self.recent.append(pending.record)
         decode_body = dict(body)
@@ -407,6 +417,7 @@ class Proxy:
             self.finish(pending, status, error, kind=kind)
 
     def _first_byte(self, pending: _Pending) -> None:
+        pending.mark("first_byte")
         if pending.warmup:
             return
         now = time.monotonic()
@@ -419,6 +430,7 @@ class Proxy:
         for instance in pending.streams:
             instance.outstanding -= 1
         pending.streams.clear()
+        pending.mark("end")
         pending.record.update(status=status, total_ms=round((time.monotonic() - pending.started) * 1e3, 1))
         if error:
             pending.record["error"] = error
@@ -447,6 +459,7 @@ class Proxy:
         if not (0 <= prompt_idx < pending.prompts and sample_idx == 0):
             return JSONResponse({"error": "a rendezvous for a child the request does not have"}, status_code=400)
         future = pending.futures[prompt_idx]
+        pending.mark(f"rendezvous_{prompt_idx}")
         if not future.done():
             future.set_result(fields)
         return JSONResponse({"ok": True})

@@ -411,6 +411,29 @@ def test_metrics_count_requests_errors_and_time_to_first_token() -> None:
     run(scenario)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_request_record_marks_each_hop_on_the_monotonic_clock(stream: bool) -> None:
+    """``t_origin`` (time.monotonic(), one clock for every process on the host, so engines'
+    timestamps line up with it) and ``t``: when the request passed each hop, ms from it, in
+    the order a P/D request meets them (bench/vllm_pd.py cuts TTFT at these)."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        before = time.monotonic()
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "stream": stream})
+        after = time.monotonic()
+        assert response.status_code == 200
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        assert before <= record["t_origin"] <= after
+        t = record["t"]
+        hops = ["begun", "decode_sent", "rendezvous_0", "rendezvous_1", "rendezvous_all", "prefill_sent", "first_byte",
+                "end"]
+        assert set(t) == {*hops, "decode_answered", "prefill_answered"}
+        assert [t[h] for h in hops] == sorted(t[h] for h in hops)
+        assert 0 <= t["begun"] and t["end"] <= (after - record["t_origin"]) * 1e3
+        assert t["decode_sent"] <= t["decode_answered"] <= t["end"] and t["prefill_sent"] <= t["prefill_answered"]
+
+    run(scenario)
+
+
 def test_a_draining_proxy_refuses_new_requests_with_503() -> None:
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
         engines.public_proxy.draining = True
