@@ -7,6 +7,8 @@ memory, fills it with a known pattern, registers the regions (with one unregiste
 before, between and after them, so an engine that skips its region check reads mapped
 but foreign bytes and the test sees it), prints one line ``rd2h-peer: {json}`` (pid, session
 id, regions, base64 metadata) and then waits: a line ``exit`` or the end of stdin ends it.
+With ``--memory cuda:0`` (any memory kind torch can allocate in) the regions are device
+tensors holding the same patterns, each of its own allocation (no guard pages there).
 
 ``PeerProcess`` is the parent's handle on such a process.
 """
@@ -56,6 +58,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--options", default="{}", help="engine options as a JSON object")
     parser.add_argument("--sizes", required=True, help="region sizes in bytes, comma separated")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory", default="host", help="memory kind of the regions, e.g. cuda:0")
     args = parser.parse_args(argv)
 
     from rd2h.interfaces import Region
@@ -70,6 +73,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
         view[offset : offset + size] = pattern(args.seed, i, size)
         regions.append(Region(view.ctypes.data + offset, size))
         offset += size + GAP
+    on_device = [] if args.memory == "host" else _on_device(args.memory, args.seed, sizes)
+    if on_device:
+        from rd2h.tensors import memory_kind
+
+        regions = [Region(t.data_ptr(), size, memory_kind(t)) for t, size in zip(on_device, sizes)]
     metadata = engine.register(regions)
     hello = {
         "pid": os.getpid(),
@@ -83,13 +91,24 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if line.strip() == "exit":
             break
     engine.close()
+    on_device.clear()
     del view
     memory.close()
     return 0
 
 
+def _on_device(kind: str, seed: int, sizes: Sequence[int]) -> list[Any]:
+    """One torch tensor per region on device ``kind``, holding the region's pattern."""
+    import torch
+
+    if kind.startswith("npu"):
+        import torch_npu  # noqa: F401 - registers torch.npu
+    return [torch.from_numpy(pattern(seed, i, size).copy()).to(kind) for i, size in enumerate(sizes)]
+
+
 class PeerProcess:
-    """A running peer: its metadata, its regions and the bytes they hold.
+    """A running peer: its metadata, its regions and the bytes they hold; ``memory`` is the
+    memory kind its regions are in (``"host"``, or a device such as ``"cuda:0"``).
 
     Raises ``RuntimeError`` with the peer's stderr if it does not come up in ``timeout``.
     """
@@ -104,6 +123,7 @@ class PeerProcess:
         options: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float = 60.0,
+        memory: str = "host",
     ) -> None:
         self.sizes = tuple(sizes)
         self.seed = seed
@@ -111,7 +131,7 @@ class PeerProcess:
         cmd = [
             sys.executable, "-m", "rd2h.cli.peer",
             "--engine", engine, "--role", role, "--options", json.dumps(dict(options or {})),
-            "--sizes", ",".join(map(str, self.sizes)), "--seed", str(seed),
+            "--sizes", ",".join(map(str, self.sizes)), "--seed", str(seed), "--memory", memory,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env={**os.environ, **(env or {})}

@@ -32,6 +32,13 @@ Hooks for engines that need more than options:
 - ``reader_role`` / ``peer_role``: which role reads ("decode") and which is read ("prefill");
 - ``region_sizes``, ``destination_size``, ``block_len``: sizes of the memory used.
 
+Memory kinds (``rd2h.testing.engine_device_cases``): every engine is checked to declare
+``memory_kinds()`` and to refuse, at registration, memory of a kind it does not declare (on
+any machine: host memory labelled with that kind goes through the real check). An engine
+that declares a device type is read from (peer regions on the device) and written to
+(destinations on the device) where torch can allocate on such a device; elsewhere those
+cases skip, naming what is missing.
+
 Services the engine needs in the test process (a config store, a daemon) belong in an
 autouse class-scoped fixture of the subclass: pytest sets those up before ``reader``.
 
@@ -41,12 +48,10 @@ after ``failure_bound_s`` instead of hanging the run.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import msgpack
@@ -57,101 +62,29 @@ from rd2h.errors import (
     BackendUnavailableError,
     ConfigError,
     IncompatiblePeerError,
-    PeerGoneError,
     RD2HError,
     RegionError,
     TransferError,
 )
-from rd2h.interfaces import Availability, Capability, Region, Session, TransferEngine
-from rd2h.testing.peer import GAP, PeerProcess, load_engine
+from rd2h.interfaces import Availability, Capability, Session, TransferEngine
+from rd2h.layout.regions import HOST
+from rd2h.testing.engine_device_cases import DeviceCases
+from rd2h.testing.engine_kit import (
+    SENTINEL,
+    Descriptor,
+    Reader,
+    _arrays,
+    _assert_bytes,
+    _image,
+    _prefer_peer_gone,
+    _within,
+)
+from rd2h.testing.peer import PeerProcess, load_engine
 
 __all__ = ["EngineConformance", "Reader", "Descriptor"]
 
-SENTINEL = 0x5A  # what destination bytes hold before a read
-Descriptor = tuple[int, int, int, int]  # (destination offset, peer region, offset in it, length)
 
-
-class Reader:
-    """The reading engine and its registered destination, followed by an unregistered guard."""
-
-    def __init__(self, engine: TransferEngine, size: int) -> None:
-        self.engine = engine
-        self._memory = mmap.mmap(-1, size + GAP)
-        whole = np.frombuffer(self._memory, dtype=np.uint8)
-        self.dest, self.guard = whole[:size], whole[size:]
-        self.addr = whole.ctypes.data
-        self.metadata = engine.register([Region(self.addr, size)])
-        self.reset()
-
-    def reset(self) -> None:
-        self.dest[:] = SENTINEL  # also faults in every page
-        self.guard[:] = SENTINEL
-
-    def close(self) -> None:
-        self.engine.close()
-        del self.dest, self.guard
-        try:
-            self._memory.close()
-        except BufferError:  # a test still holds a view; the mapping goes with it
-            pass
-
-
-def _arrays(reader: Reader, peer: PeerProcess, descs: Sequence[Descriptor]) -> tuple[np.ndarray, ...]:
-    d = np.array(descs, dtype=np.int64).reshape(-1, 4)
-    starts = np.array([a for a, _ in peer.regions], dtype=np.int64)
-    return reader.addr + d[:, 0], starts[d[:, 1]] + d[:, 2], d[:, 3].copy()
-
-
-def _image(reader: Reader, peer: PeerProcess, descs: Sequence[Descriptor], lo: int = 0, hi: int | None = None) -> np.ndarray:
-    """What ``reader.dest[lo:hi]`` must hold after reading ``descs``."""
-    hi = len(reader.dest) if hi is None else hi
-    img = np.full(hi - lo, SENTINEL, dtype=np.uint8)
-    for off, region, src, n in descs:
-        img[off - lo : off - lo + n] = peer.expected(region)[src : src + n]
-    return img
-
-
-def _assert_bytes(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
-    if not np.array_equal(actual, expected):
-        bad = np.flatnonzero(actual != expected)
-        raise AssertionError(
-            f"{what}: {len(bad)} bytes differ, first at offset {bad[0]} "
-            f"(got {actual[bad[0]]:#04x}, expected {expected[bad[0]]:#04x})"
-        )
-
-
-def _prefer_peer_gone(exc: BaseException, when: str) -> None:
-    if not isinstance(exc, PeerGoneError):
-        warnings.warn(
-            f"{when}: the engine raised {type(exc).__name__}; PeerGoneError would let callers "
-            "tell a dead peer from other failures",
-            stacklevel=2,
-        )
-
-
-def _within(seconds: float, fn: Callable[[], object]) -> tuple[BaseException | None, float]:
-    """Run ``fn`` in a watchdog thread; its exception (or None) and how long it took.
-
-    Fails the test if ``fn`` has not returned after ``seconds``.
-    """
-    box: list[BaseException | None] = [None]
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box[0] = exc
-
-    start = time.monotonic()
-    t = threading.Thread(target=run, daemon=True, name="rd2h-conformance-watchdog")
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        pytest.fail(f"the engine call did not return within {seconds} s (hung?)")
-    return box[0], time.monotonic() - start
-
-
-class EngineConformance:
+class EngineConformance(DeviceCases):
     """Subclass with ``engine_name`` set (name the subclass ``Test...``); see the module doc."""
 
     engine_name: ClassVar[str] = ""
@@ -188,7 +121,8 @@ class EngineConformance:
         return load_engine(cls.engine_name, role, **cls.engine_options_for(role))
 
     @classmethod
-    def start_peer(cls, seed: int) -> PeerProcess:
+    def start_peer(cls, seed: int, memory: str = HOST) -> PeerProcess:
+        """A peer process whose regions are in ``memory`` (a memory kind: ``"cuda:0"``)."""
         return PeerProcess(
             cls.engine_name,
             sizes=cls.region_sizes,
@@ -197,6 +131,7 @@ class EngineConformance:
             options=cls.engine_options_for(cls.peer_role),
             env=cls.peer_env(),
             timeout=cls.startup_timeout_s,
+            memory=memory,
         )
 
     def require(self, feature: str) -> None:
