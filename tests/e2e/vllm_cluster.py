@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +166,8 @@ class Cluster:
         self.extra: dict[str, dict[str, Any]] = {}
         self.running_tp: dict[str, int] = {}
         self.starts = 0
+        # (role, rd2h's kv-transfer-config) -> the config the engine gets (e.g. rd2h inside a MultiConnector)
+        self.compose: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
         _LIVE.append(self)
 
     def url(self, role: str) -> str:
@@ -212,6 +214,8 @@ class Cluster:
             if hooks.pop("_test_fail_reads", False):
                 hook_env["RD2H_TEST_FAIL_READS"] = "1"
             assert not hooks, f"unknown test hooks {sorted(hooks)}"
+        if self.compose is not None:
+            config = self.compose(role, config)
         self.starts += 1
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
