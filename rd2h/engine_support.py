@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
@@ -206,25 +207,33 @@ _SIDE = {"prefill": "reads from", "decode": "writes to"}
 def capable_engines(kind: str, role: str) -> list[str]:
     """The engines installed here (``rd2h.plugins``) whose ``memory_kinds`` move memory of
     ``kind``'s device type on ``role``'s side: what a refusal suggests instead. Never raises:
-    an engine that cannot be imported or answers badly is left out."""
+    an engine that cannot be imported or answers badly is left out. The engines are asked
+    once per process (that imports every backend and asks each whether it can run here): a
+    peer refused again and again, whatever kinds it names, costs Decode's loop a lookup."""
+    return list(_declared().get((role, device_type(kind)), ()))
+
+
+@functools.lru_cache(maxsize=1)
+def _declared() -> dict[tuple[str, str], tuple[str, ...]]:
+    """``(role, device type) -> names`` of the engines installed and available here."""
     from rd2h import plugins  # lazy: plugins imports the interfaces this module serves
 
-    wanted = device_type(kind)
-    names = []
+    table: dict[tuple[str, str], list[str]] = {}
     try:
         backends = plugins.list_backends()
     except Exception:  # noqa: BLE001 - only a suggestion in an error message
-        return []
-    for info in backends:
+        return {}
+    for info in sorted(backends, key=lambda b: b.name):
         if info.kind != "engine" or not info.available:
             continue
         try:
             kinds = plugins.engine_class(info.name).memory_kinds()
-            if wanted in kinds.for_role(role):
-                names.append(info.name)
         except Exception:  # noqa: BLE001 - a broken backend is no suggestion
             continue
-    return sorted(names)
+        for role in _SIDE:
+            for kind in kinds.for_role(role):
+                table.setdefault((role, kind), []).append(info.name)
+    return {key: tuple(names) for key, names in table.items()}
 
 
 def _refusal(engine: str, kind: str, role: str, kinds: frozenset[str], what: str) -> str:

@@ -224,3 +224,21 @@ def test_a_peer_whose_layers_live_where_decodes_engine_cannot_read_is_incompatib
         assert "nixl" in text
     nixl = engine_class("nixl")
     check_peer_kinds(nixl.__new__(nixl), {"l1": _layer("cuda:0", "cuda:1")})  # the class's declaration decides
+
+
+def test_engines_are_asked_once_whatever_kinds_peers_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal names the engines that can; finding them imports and asks every backend, so
+    it happens once per process: a peer naming a new device type every handshake costs
+    Decode's loop a dict lookup, not an import or a subprocess."""
+    import rd2h.engine_support as support
+    from rd2h import plugins
+
+    calls = []
+    real = plugins.list_backends
+    monkeypatch.setattr(plugins, "list_backends", lambda: calls.append(1) or real())
+    support._declared.cache_clear()
+    try:
+        names = [capable_engines(f"type{i}:0", "decode") for i in range(200)]
+        assert names == [[]] * 200 and capable_engines("cuda:0", "prefill") == ["nixl"] and len(calls) == 1
+    finally:
+        support._declared.cache_clear()
