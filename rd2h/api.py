@@ -159,6 +159,8 @@ class KVSource(Source):
         clock: Clock = monotonic,
         endpoint_idle_seconds: float = 300.0,
         max_endpoints: int = 256,
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> None:
         transfer = plugins.load_engine(engine, "prefill", **dict(engine_options or {}))
         with _closed_on_error(transfer):
@@ -169,7 +171,7 @@ class KVSource(Source):
                     block_size=block_size, last_layer=last_layer, reply_timeout=reply_timeout,
                     indexer_block_size=indexer_block_size, inline_announce=inline_announce,
                     reuse_slots=reuse_slots, clock=clock, endpoint_idle_seconds=endpoint_idle_seconds,
-                    max_endpoints=max_endpoints,
+                    max_endpoints=max_endpoints, pp_rank=pp_rank, pp_size=pp_size,
                 )
         self.start()
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["ChunkKey", "Coverage"]
+__all__ = ["ChunkKey", "Contributor", "Coverage"]
 
 # (main_start, main_count, indexer_start, indexer_count) of one announced chunk
 ChunkKey = tuple[int, int, int, int]
+# a contributor member, or (member, pipeline stage) for a Prefill run with pipeline parallel
+Contributor = int | tuple[int, int]
 
 
 def _gap(spans: Iterable[tuple[int, int]], lo: int, hi: int, what: str) -> str | None:
@@ -44,23 +46,24 @@ class Coverage:
     def __init__(self, main_span: tuple[int, int], indexer_span: tuple[int, int]) -> None:
         self._main = main_span
         self._indexer = indexer_span
-        self._seen: dict[int, dict[ChunkKey, set[str]]] = {}
+        self._seen: dict[Contributor, dict[ChunkKey, set[str]]] = {}
 
-    def record(self, member: int, layer: str, chunk: ChunkKey) -> None:
+    def record(self, member: Contributor, layer: str, chunk: ChunkKey) -> None:
         """Contributor ``member``'s ``chunk`` was read on ``layer``."""
         self._seen.setdefault(member, {}).setdefault(chunk, set()).add(layer)
 
-    def missing(self, member: int, layers: frozenset[str]) -> str | None:
-        """Why ``member``'s announcements are incomplete, or None if they cover everything."""
+    def missing(self, member: Contributor, layers: frozenset[str]) -> str | None:
+        """Why ``member``'s announcements are incomplete, or None if they cover ``layers``."""
         chunks = self._seen.get(member, {})
+        who = member if isinstance(member, int) else f"{member[0]} of pipeline stage {member[1]}"
         for (main_start, main_count, _, _), read_on in sorted(chunks.items()):
             absent = layers - read_on
             if absent:
                 shown = ", ".join(sorted(absent)[:3]) + (" ..." if len(absent) > 3 else "")
                 return (
-                    f"contributor {member} never announced layer(s) {shown} of the chunk at main "
+                    f"contributor {who} never announced layer(s) {shown} of the chunk at main "
                     f"block {main_start} ({main_count} blocks)"
                 )
-        return _gap(((c[0], c[1]) for c in chunks), *self._main, f"contributor {member}: main") or _gap(
-            ((c[2], c[3]) for c in chunks), *self._indexer, f"contributor {member}: indexer"
+        return _gap(((c[0], c[1]) for c in chunks), *self._main, f"contributor {who}: main") or _gap(
+            ((c[2], c[3]) for c in chunks), *self._indexer, f"contributor {who}: indexer"
         )

@@ -88,6 +88,9 @@ class RequestRecord:
     error: RD2HError | None = None
     ratio: int | None = None  # the contributor group size, from the first readiness
     finals: set[int] = field(default_factory=set)  # members whose final signal was believed
+    # member -> this rank's layers its believed finals cover: all of them from a peer that is no
+    # pipeline stage; a stage's final covers its own (the member is complete once they add up)
+    final_layers: dict[int, frozenset[str]] = field(default_factory=dict)
     peers: set[bytes] = field(default_factory=set)  # identities that announced it
     unconfirmed: set[bytes] = field(default_factory=set)  # final contributors yet to confirm
     nbytes: int = 0
@@ -121,3 +124,5 @@ class PeerRecord:
     error: RD2HError | None = None
     proven: frozenset[str] = frozenset()  # identities it proved (engine session id, CURVE key)
     confirms: bool = True  # it sends ``settled`` (rd2h protocol 4); a reference peer does not
+    stage: int | None = None  # its pipeline stage (mf_meta's pp_rank), None when it is no stage
+    stage_layers: frozenset[str] | None = None  # a stage: the layers of this rank it holds

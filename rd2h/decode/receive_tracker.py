@@ -110,14 +110,22 @@ class ReceiveTracker(RequestTable):
     # -- remote input -------------------------------------------------------------------
 
     def peer_admitted(
-        self, identity: bytes, p_session: str, proven: Iterable[str] = (), *, confirms: bool = True
+        self, identity: bytes, p_session: str, proven: Iterable[str] = (), *, confirms: bool = True,
+        stage: int | None = None, stage_layers: Iterable[str] = (),
     ) -> None:
         """The peer's mf_meta was accepted (a repeated one replaces the earlier). ``proven``:
         the identities it proved (its engine session id, its CURVE key), which requests
         expected from a given Prefill are matched against. ``confirms``: it says how each
         request ended (``on_settled``), so the requests it contributes to wait for that
-        before DONE; False for a reference-implementation peer, which never does."""
-        self._peers[identity] = _Peer(_PeerState.ADMITTED, p_session, proven=frozenset(proven), confirms=confirms)
+        before DONE; False for a reference-implementation peer, which never does.
+        ``stage``: the peer is that pipeline stage of its Prefill and holds ``stage_layers``
+        only: its final signal covers those of this rank's layers, and a contributor member is
+        complete once its stages' finals cover every layer (None: the peer must send them all)."""
+        layers = None if stage is None else frozenset(stage_layers) & self._layer_names
+        self._peers[identity] = _Peer(
+            _PeerState.ADMITTED, p_session, proven=frozenset(proven), confirms=confirms, stage=stage,
+            stage_layers=layers,
+        )
 
     def peer_refused(self, identity: bytes, p_session: str, error: RD2HError) -> None:
         """The peer's mf_meta was refused: its readiness fails with ``error`` from now on."""
@@ -250,6 +258,8 @@ class ReceiveTracker(RequestTable):
         reply_failures = dict(admission.refused)
         chunks = {r.ext_req_id: _chunk(r) for r in batch.read_reqs}
         member = batch.group_member_idx
+        peer = self._peers.get(identity)
+        stage = None if peer is None else peer.stage  # a pipeline stage's chunks are its own
         for ext_id in admission.readable:
             request = self._requests[ext_id]  # being read: it cannot have settled
             request.reading = False
@@ -263,7 +273,7 @@ class ReceiveTracker(RequestTable):
             else:
                 request.apply(_Event.READ)
                 request.nbytes += nbytes.get(ext_id, 0)
-                request.coverage.record(member, batch.layer_name, chunks[ext_id])
+                request.coverage.record(member if stage is None else (member, stage), batch.layer_name, chunks[ext_id])
         done = batch.done_ext_ids
         repeated = Counter(done) if len(set(done)) != len(done) else None  # rare: counted only then
         for ext_id in done if repeated is None else repeated:
@@ -387,11 +397,16 @@ class ReceiveTracker(RequestTable):
                 f"request {request.ext_id!r}: member {member} reports tp_ratio {ratio}, "
                 f"earlier contributors reported {request.ratio}"
             )
-        gap = request.coverage.missing(member, self._layer_names)
+        peer = self._peers.get(identity)
+        stage = None if peer is None else peer.stage
+        required = self._layer_names if peer is None or peer.stage_layers is None else peer.stage_layers
+        gap = request.coverage.missing(member if stage is None else (member, stage), required)
         if gap is not None:
             return BlockRangeError(f"request {request.ext_id!r}: final signal, but {gap}")
-        request.finals.add(member)
-        peer = self._peers.get(identity)
+        covered = request.final_layers.get(member)
+        request.final_layers[member] = required if covered is None else covered | required
+        if request.final_layers[member] >= self._layer_names:  # a pipeline's stages add up to the model
+            request.finals.add(member)
         if peer is not None and peer.confirms:
             request.unconfirmed.add(identity)
         if len(request.finals) == ratio:

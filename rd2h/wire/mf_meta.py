@@ -127,10 +127,14 @@ class MfMeta:
 
     @classmethod
     def from_layers(
-        cls, p_session: str, layers: Mapping[str, LayerLayout], *, engine_metadata: bytes = b""
+        cls, p_session: str, layers: Mapping[str, LayerLayout], *, engine_metadata: bytes = b"", pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> MfMeta:
-        """Build this build's mf_meta from layouts. Raises TypeError/ValueError on bad layouts."""
-        return cls(p_session, encode_layer_metadata(layers), engine_metadata=engine_metadata)
+        """Build this build's mf_meta from layouts; ``pp_rank``/``pp_size``: the pipeline stage
+        whose layers these are. Raises TypeError/ValueError on bad layouts or stage."""
+        return cls(
+            p_session, encode_layer_metadata(layers), engine_metadata=engine_metadata, pp_rank=pp_rank, pp_size=pp_size
+        )
 
     @classmethod
     def reference(
@@ -165,8 +169,9 @@ def check_compatible(meta: MfMeta, *, accept_legacy: bool = False) -> None:
     Accepted: this build's form with equal protocol and cache-layout versions, and the
     reference implementation's forms (``meta.legacy``) only with ``accept_legacy=True``.
     Refused: rd2h protocol 2 (whose mf_meta collides with the reference's newer form),
-    other versions, and a pipeline-parallel Prefill (``pp_size > 1``), which rd2h does not
-    model. Raises IncompatiblePeerError saying why and what to do.
+    other versions, and a pipeline stage (``pp_size > 1``) in the reference's forms, whose
+    stages rd2h does not model (an rd2h stage names the layers it holds: Decode completes a
+    request from several). Raises IncompatiblePeerError saying why and what to do.
     """
     who = f"peer {meta.p_session[:80]!r}"
     ours = f"this build speaks rd2h protocol {PROTOCOL_VERSION}, cache layout {LAYOUT_VERSION}"
@@ -190,10 +195,10 @@ def check_compatible(meta: MfMeta, *, accept_legacy: bool = False) -> None:
             f"{who} speaks {theirs}; {ours}. The handshake is refused rather than risk reading a "
             "layout differently on the two sides: run the same rd2h version on Prefill and Decode."
         )
-    if meta.pp_size != 1:
+    if meta.pp_size != 1 and meta.legacy:
         raise IncompatiblePeerError(
-            f"{who} is pipeline stage {meta.pp_rank} of {meta.pp_size}; rd2h moves the layers of a "
-            "Prefill without pipeline parallelism only (pp_size 1): run Prefill with pp_size 1."
+            f"{who} is pipeline stage {meta.pp_rank} of {meta.pp_size} of a legacy build; rd2h takes the "
+            "stages of an rd2h Prefill only (a legacy Prefill with pp_size 1): run Prefill with pp_size 1, or rd2h."
         )
 
 

@@ -176,7 +176,7 @@ def test_pipeline_parallel_is_refused_at_startup(model: Path) -> None:
 
     check_parallel(_vllm_config(model).parallel_config)  # PP 1 passes
     config = _vllm_config(model, role="kv_consumer", hybrid=False, pipeline_parallel_size=2)
-    with pytest.raises(ConfigError, match=r"pipeline parallel yet \(pipeline_parallel_size=2\).*--pipeline-parallel-size 1"):
+    with pytest.raises(ConfigError, match=r"pipeline parallel on Decode yet \(pipeline_parallel_size=2\).*--pipeline-parallel-size 1"):
         RD2HConnector(config, KVConnectorRole.SCHEDULER, None)
 
 

