@@ -319,8 +319,9 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._not_taken += 1
         log.warning(
             "request %s: rd2h matched %d prompt tokens to pull but vLLM allocated it without them (under "
-            "MultiConnector a connector listed before rd2h loads it: list rd2h first); no rendezvous is posted and "
-            "the request is served without rd2h (%d such requests so far)",
+            "MultiConnector a connector listed before rd2h loads it: list rd2h first; else vLLM's scheduler dropped "
+            "the load, e.g. for prompt_logprobs); no rendezvous is posted and the request is served without rd2h "
+            "(%d such requests so far)",
             request.request_id, matched, self._not_taken,
         )  # fmt: skip
         self.scheduler.request_finished(request, ((),))

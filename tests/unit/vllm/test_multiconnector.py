@@ -237,3 +237,20 @@ def test_worker_hooks_reach_rd2h_first_and_its_results_come_through(model: Path,
     finally:
         multi.shutdown()
     assert recording_connector.CALLS is CALLS
+
+
+def test_a_load_vllm_itself_drops_is_counted_too(model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Without MultiConnector: vLLM asks rd2h for matched tokens, then ignores them for a request
+    that skips reading cached prefixes (prompt_logprobs sets it). rd2h said so nowhere and kept the
+    id claimed; now it warns, counts and releases it."""
+    scheduler, _ = make_scheduler(model, "kv_consumer")
+    ours = scheduler.connector
+    request = make_request("cmpl-m5-0-abcdef12", 100, decode_params("m5"))
+    request.skip_reading_prefix_cache = True  # what vLLM sets for prompt_logprobs
+    scheduler.add_request(request)
+    with caplog.at_level("WARNING", logger="rd2h.vllm"):
+        out = scheduler.schedule()
+    assert out.kv_connector_metadata.recv == () and out.num_scheduled_tokens[request.request_id] == 100
+    assert "vLLM's scheduler dropped the load" in caplog.text and ours.scheduler._claims == {}
+    assert ours.get_kv_connector_stats().data["local"] == {"load_not_taken": 1}
+    ours.shutdown()
