@@ -33,7 +33,6 @@ OpenAI's error shape and no ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -50,6 +49,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
+from rd2h.proxy.failures import EngineError, NoInstance, PrefillFailed, RendezvousTimeout, cancel, failure, settle
 from rd2h.proxy.instances import Instance, Pool
 from rd2h.proxy.metrics import ProxyMetrics
 from rd2h.proxy.readiness import note_readiness
@@ -57,7 +57,7 @@ from rd2h.proxy.warmup import PairTable, warm_up_pairs
 from rd2h.vllm.params import decode_fields, prefill_fields
 from rd2h.vllm.vouch import VouchError, token, verify
 
-__all__ = ["Proxy", "ProxyConfig"]
+__all__ = ["EngineError", "NoInstance", "PrefillFailed", "Proxy", "ProxyConfig", "RendezvousTimeout", "cancel"]
 
 log = logging.getLogger("rd2h.proxy")
 
@@ -87,34 +87,14 @@ class ProxyConfig:
         return self.warmup and self.health_interval > 0
 
 
-class EngineError(Exception):
-    """An engine failed a request (transport error after it was sent, or HTTP error)."""
-
-    kind = "engine_failed"
-
-
-class PrefillFailed(EngineError):
-    """Prefill failed a request after the rendezvous was handed to it: Decode may recompute."""
-
-    kind = "prefill_failed"
-
-
-class RendezvousTimeout(EngineError):
-    kind = "rendezvous_timeout"
-
-
-class NoInstance(EngineError):
-    """No instance of a role is in rotation: 503, the client may retry later."""
-
-    kind = "no_instance"
-
-
 @dataclass
 class _Pending:
     rid: str
     prompts: int
     futures: list[asyncio.Future[dict[str, Any]]]  # one per prompt: its sample 0 pulls
+    all_in: asyncio.Future[None]  # every prompt's rendezvous is in: Prefill's leg may go
     headers: dict[str, str]  # forwarded to both legs
+    heard: int = 0  # prompts whose rendezvous is in
     record: dict[str, Any] = field(default_factory=dict)
     recompute: bool = False  # every Decode that posted recomputes a failed load (its policy)
     started: float = field(default_factory=time.monotonic)
@@ -229,13 +209,16 @@ class Proxy:
 
     async def prefill(self, pending: _Pending, path: str, body: dict[str, Any]) -> None:
         """Wait for every child's rendezvous, then send the request to Prefill once."""
-        started = time.monotonic()
+        started, timeout = time.monotonic(), self.config.rendezvous_timeout
+        # awaited directly (not wait_for over gather): the last rendezvous wakes this task in one
+        # turn of the loop, not three, each behind whatever else is ready then
+        late = RendezvousTimeout(f"Decode did not post a rendezvous within {timeout:g} s")
+        timer = asyncio.get_running_loop().call_later(timeout, settle, pending.all_in, late)
         try:
-            found = await asyncio.wait_for(asyncio.gather(*pending.futures), self.config.rendezvous_timeout)
-        except asyncio.TimeoutError:
-            raise RendezvousTimeout(
-                f"Decode did not post a rendezvous within {self.config.rendezvous_timeout:g} s"
-            ) from None
+            await pending.all_in
+        finally:
+            timer.cancel()
+        found = [f.result() for f in pending.futures]
         waited = time.monotonic() - started
         pending.mark("rendezvous_all")
         self.metrics.rendezvous.observe(waited)
@@ -325,7 +308,8 @@ class Proxy:
         record: dict[str, Any] = {"id": rid, "path": path, "x_request_id": headers["x-request-id"]}
         if pinned:
             record["warmup"] = True
-        pending = _Pending(rid, prompts, futures, headers, record, pinned=dict(pinned or {}), warmup=bool(pinned))
+        pending = _Pending(rid, prompts, futures, loop.create_future(), headers, record=record, pinned=dict(pinned or {}),
+                           warmup=bool(pinned))
         pending.started = record["t_origin"] = time.monotonic() if arrived is None else arrived  # monotonic s
         pending.mark("begun")
         self.pending[rid] = pending
@@ -379,10 +363,13 @@ class Proxy:
         relayed = False
         try:
             while True:
-                next_chunk = asyncio.ensure_future(chunks.__anext__())
+                # a task only while Prefill may still fail the stream; then each chunk at once
+                next_chunk = chunks.__anext__() if relayed else asyncio.ensure_future(chunks.__anext__())
                 if not relayed:
                     await asyncio.wait({next_chunk, prefill}, return_when=asyncio.FIRST_COMPLETED)
-                failed = not relayed and _failure(prefill)
+                # Prefill's failure matters until the first chunk, unless it was settled already
+                # (handle() recomputed when Prefill failed before Decode's headers came)
+                failed = not relayed and "recomputed" not in pending.record and failure(prefill)
                 if failed:
                     await cancel(next_chunk)
                     if isinstance(failed, PrefillFailed) and pending.recompute:
@@ -462,6 +449,9 @@ class Proxy:
         pending.mark(f"rendezvous_{prompt_idx}")
         if not future.done():
             future.set_result(fields)
+            pending.heard += 1
+            if pending.heard == pending.prompts:
+                settle(pending.all_in, None)
         return JSONResponse({"ok": True})
 
     def may_read_requests(self, request: Request) -> bool:
@@ -483,18 +473,3 @@ class Proxy:
             self.decode_pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
             return JSONResponse(error_body(f"{instance.url}: {exc}", "rd2h_proxy_error", 502), 502)
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
-
-
-def _failure(task: asyncio.Future[Any]) -> BaseException | None:
-    """The exception a finished task ended with (None while it runs, or if cancelled)."""
-    if not task.done() or task.cancelled():
-        return None
-    return task.exception()
-
-
-async def cancel(task: asyncio.Future[Any]) -> None:
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        result = await task
-        if isinstance(result, httpx.Response):
-            await result.aclose()

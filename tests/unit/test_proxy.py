@@ -30,7 +30,7 @@ OPERATOR = {"Authorization": f"Bearer {token(SECRET, 'requests')}"}
 class Engines:
     """Decode posts one signed rendezvous per prompt (its sample 0 pulls, its
     ``kv_load_failure_policy`` said), then waits for Prefill (a streamed answer sends its
-    headers first, as vLLM does); a plain request (no kv_transfer_params) it answers at once.
+    headers first, then posts, as vLLM does); a plain request (no kv_transfer_params) it answers at once.
     Prefill records."""
 
     def __init__(self, proxy: httpx.AsyncClient, *, prefill_fails: bool = False, policy: str = "fail") -> None:
@@ -42,6 +42,7 @@ class Engines:
         self.decode_seen = asyncio.Event()
         self.requests: list[httpx.Request] = []  # every request an engine received
         self.down_answers = False  # "down" refuses connections until this is set
+        self.decode_hangs: bool | str = False  # a pulled request: rendezvous posted, then no answer at all
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.host == "down" and not self.down_answers:
@@ -63,21 +64,32 @@ class Engines:
             return self._answer(body, 1, "computed", ready=None)
         ours = verify(SECRET, body["kv_transfer_params"]["rd2h"], time.time())
         children = ours["prompts"] * ours["samples"]
-        for prompt in range(ours["prompts"]):
-            rendezvous = {"ext_id": f"{ours['id']}-{prompt}-0", "endpoint": "127.0.0.1:5600/1", "first_block": prompt,
-                          "on_load_failure": self.policy}
-            answer = await self.proxy.post(RENDEZVOUS, json=sign(SECRET, rendezvous, time.time()))
-            assert answer.status_code == 200
-        if not body.get("stream"):
-            await asyncio.wait_for(self.prefilled.wait(), 5)
-        return self._answer(body, children, "decoded", ready=self.prefilled)
 
-    def _answer(self, body: dict[str, Any], children: int, text: str, ready: asyncio.Event | None) -> httpx.Response:
+        async def post_rendezvous() -> None:
+            for prompt in range(ours["prompts"]):
+                rendezvous = {"ext_id": f"{ours['id']}-{prompt}-0", "endpoint": "127.0.0.1:5600/1",
+                              "first_block": prompt, "on_load_failure": self.policy}
+                answer = await self.proxy.post(RENDEZVOUS, json=sign(SECRET, rendezvous, time.time()))
+                assert answer.status_code == 200
+
+        if self.decode_hangs:  # a Decode slower than Prefill's failure: cancelled, never answers
+            if self.decode_hangs != "silent":  # "silent": it does not even post its rendezvous
+                await post_rendezvous()
+            await asyncio.Event().wait()
+        if not body.get("stream"):
+            await post_rendezvous()
+            await asyncio.wait_for(self.prefilled.wait(), 5)
+        return self._answer(body, children, "decoded", ready=self.prefilled, first=post_rendezvous)
+
+    def _answer(self, body: dict[str, Any], children: int, text: str, ready: asyncio.Event | None,
+                first: Any = None) -> httpx.Response:
         choices = [{"index": i, "text": text} for i in range(children)]
         if not body.get("stream"):
             return httpx.Response(200, json={"choices": choices})
 
         async def events() -> Any:
+            if first is not None:  # as vLLM: a stream's headers go out before the engine schedules it
+                await first()
             if ready is not None:  # nothing before the KV is whole
                 await asyncio.wait_for(ready.wait(), 5)
             yield f"data: {json.dumps({'choices': choices})}\n\n".encode()
@@ -166,6 +178,30 @@ def test_a_failed_prefill_under_decodes_recompute_policy_is_computed_on_decode(s
         assert record["status"] == 200 and "Server disconnected" in record["recomputed"]
 
     run(scenario, prefill_fails=True, policy="recompute")
+
+
+def test_a_prefill_failing_before_decodes_headers_is_recomputed_once_in_a_stream() -> None:
+    """Prefill failed while Decode had not answered yet: the proxy recomputes on a Decode at
+    once; the stream it then relays must not see Prefill's failure again and recompute twice."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        engines.decode_hangs = True
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "a", "stream": True})
+        assert response.status_code == 200 and "computed" in response.text and "error" not in response.text
+        assert len(engines.decode_bodies) == 2 and (await client.get("/health")).json()["recomputed"] == 1
+
+    run(scenario, prefill_fails=True, policy="recompute")
+
+
+def test_a_decode_that_never_posts_its_rendezvous_fails_the_request_at_the_deadline() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        engines.decode_hangs = "silent"
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]})
+        assert response.status_code == 502 and "did not post a rendezvous within 0.05 s" in response.text
+        assert engines.prefill_bodies == [] and (await client.get("/health")).json()["pending"] == 0
+        text = (await client.get("/metrics")).text
+        assert 'rd2h_proxy_errors_total{kind="rendezvous_timeout"} 1.0' in text
+
+    run(scenario, rendezvous_timeout=0.05)
 
 
 def test_a_failed_prefill_under_decodes_fail_policy_ends_a_stream_with_an_error_event() -> None:

@@ -1,0 +1,55 @@
+"""How the proxy's request flow fails (the exceptions it maps to HTTP answers) and the small
+pieces it settles and cancels its futures and tasks with."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import httpx
+
+__all__ = ["EngineError", "NoInstance", "PrefillFailed", "RendezvousTimeout", "cancel", "failure", "settle"]
+
+
+class EngineError(Exception):
+    """An engine failed a request (transport error after it was sent, or HTTP error)."""
+
+    kind = "engine_failed"
+
+
+class PrefillFailed(EngineError):
+    """Prefill failed a request after the rendezvous was handed to it: Decode may recompute."""
+
+    kind = "prefill_failed"
+
+
+class RendezvousTimeout(EngineError):
+    kind = "rendezvous_timeout"
+
+
+class NoInstance(EngineError):
+    """No instance of a role is in rotation: 503, the client may retry later."""
+
+    kind = "no_instance"
+
+
+def settle(future: asyncio.Future[Any], error: BaseException | None) -> None:
+    """Settle ``future`` (with ``error``, or None as its result) unless it is done already."""
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(None)
+
+
+def failure(task: asyncio.Future[Any]) -> BaseException | None:
+    """The exception a finished task ended with (None while it runs, or if cancelled)."""
+    if not task.done() or task.cancelled():
+        return None
+    return task.exception()
+
+
+async def cancel(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        result = await task
+        if isinstance(result, httpx.Response):
+            await result.aclose()
