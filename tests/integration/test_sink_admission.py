@@ -37,6 +37,8 @@ class SilentWitness:
         self.listener.bind(b"\0" + self.name.encode())
         self.listener.listen(8)
         self.connected, self.released = threading.Event(), threading.Event()
+        self._accepted = threading.Condition()
+        self._count = 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -48,9 +50,17 @@ class SilentWitness:
                 held.append(self.listener.accept()[0])
             except TimeoutError:
                 continue
+            with self._accepted:
+                self._count += 1
+                self._accepted.notify_all()
             self.connected.set()
         for conn in held:
             conn.close()
+
+    def wait_for_connections(self, count: int, timeout: float) -> bool:
+        """Whether ``count`` proofs have connected (each one a handshake in progress) within ``timeout``."""
+        with self._accepted:
+            return self._accepted.wait_for(lambda: self._count >= count, timeout)
 
     def release(self) -> None:
         self.released.set()
@@ -106,7 +116,9 @@ def test_handshakes_in_progress_are_bounded(world: World, monkeypatch: pytest.Mo
         stalling = [world.dealer() for _ in range(3)]
         for i, sock in enumerate(stalling[:2]):
             sock.send(stalling_meta(world, witness, f"stalling-{i}"))
-        assert witness.connected.wait(10)
+        # both in progress before the third arrives: the sockets are separate connections, so
+        # without this wait the third could be taken before the second and the second refused
+        assert witness.wait_for_connections(2, 10)
         stalling[2].send(stalling_meta(world, witness, "one-too-many"))
         reqs = (protocol.ReadRequest("x", (1,), (1,), 0, 0),)
         reply = world.ready(stalling[2], protocol.encode(protocol.ReadReadyBatch(0, "l0", reqs, ())))
