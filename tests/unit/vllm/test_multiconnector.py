@@ -19,6 +19,7 @@ from conftest import free_base_port
 from recording_connector import CALLS
 from vllm_kit import SECRET, Posts, make_request, make_scheduler, runner_output, write_model
 
+from rd2h.testing.channel_suite import wait_for
 from rd2h.vllm.metadata import RecvSpec, StepMetadata, WorkerReport
 from rd2h.vllm.params import decode_fields, prefill_fields
 from rd2h.vllm.rendezvous import RendezvousPoster
@@ -206,7 +207,7 @@ def test_worker_hooks_reach_rd2h_first_and_its_results_come_through(model: Path,
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     scheduler, _ = make_scheduler(model, "kv_both", connector="MultiConnector",
-                                  extra=children(model, "kv_both", ours={"kv_port": free_base_port(1)}))
+                                  extra=children(model, "kv_both", ours={"kv_port": free_base_port(1), "request_timeout": 0.5}))
     config, kv_config = scheduler.vllm_config, scheduler.kv_cache_config
     scheduler.connector.shutdown()
     multi = MultiConnector(config, KVConnectorRole.WORKER, kv_config)
@@ -231,9 +232,13 @@ def test_worker_hooks_reach_rd2h_first_and_its_results_come_through(model: Path,
         assert not hasattr(MultiConnector, "on_kv_cache_written")  # vllm-ascend's own MultiConnector calls it
         report = multi.build_connector_worker_meta()
         assert report.metadata == (WorkerReport({ext: 1}), None)
-        results = multi.get_transfer_results(set())
-        assert results.finished_recving == set() and multi.get_block_ids_with_load_errors() == set()
         multi.clear_connector_metadata()
+        # no Prefill ever announces it: the pull fails at its request_timeout, and the failure comes
+        # back through MultiConnector's transfer results (per request; no flat block set on 0.32)
+        results = wait_for(lambda: (r := multi.get_transfer_results(set())).failed_recving and r or None, 30)
+        assert results is not None, "the pull never failed"
+        assert results.failed_recving == {"cmpl-w1-0-abcdef12"} <= results.finished_recving
+        assert multi.get_block_ids_with_load_errors() == set()
     finally:
         multi.shutdown()
     assert recording_connector.CALLS is CALLS
