@@ -7,8 +7,11 @@ vLLM runs the DP ranks of a dense model as independent engines and resets their
 connector binds its own control ports from it (``kv_port + dp_index * tp + tp_rank``) and
 posts its own rendezvous naming them, so Prefill pulls into whichever rank vLLM gave the
 request. Tokens through the proxy equal one engine asked directly, both ranks served pulled
-requests (vLLM labels each rank's series ``engine="0"``/``"1"``), the prompts' KV came from
-the transfer, and a Decode that overwrites what it received answers otherwise.
+requests (vLLM labels each rank's series ``engine="0"``/``"1"``), and each rank counted the
+prompts' tokens as external transfer, not computed (the equality alone could hold with
+nothing moved). The bytes themselves are checked by the corrupting Decode of
+test_vllm_pd.py; a DP rank reads through the same path, so restarting two DP engines for it
+again (minutes on 2 cores) is left out.
 """
 
 from __future__ import annotations
@@ -48,30 +51,27 @@ def test_decode_dp2_pulls_into_both_ranks_and_equals_one_engine(dp_cluster: Any)
     decode = dp_cluster.url("decode")
     baseline = complete(dp_cluster.url("prefill"), MANY, timeout=600)  # the first call compiles
     pulled = per_rank(decode, "vllm:rd2h_pulled_requests_total")
-    external = metric(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    external = per_rank(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    local = per_rank(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
     assert complete(dp_cluster.url("proxy"), MANY, timeout=600) == baseline
     children = last_record(dp_cluster)["children"]
     assert len(children) == len(MANY)
     prompt_tokens = sum(c["num_tokens"] for c in children)
-    moved = metric(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - external
-    served = [after - before for after, before in zip(per_rank(decode, "vllm:rd2h_pulled_requests_total"), pulled)]
-    print(f"{len(MANY)} requests, {prompt_tokens} prompt tokens, {moved:g} from external_kv_transfer; "
-          f"pulled per DP rank: {served}")
+    served = since(per_rank(decode, "vllm:rd2h_pulled_requests_total"), pulled)
+    moved = since(per_rank(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"), external)
+    computed = since(per_rank(decode, "vllm:prompt_tokens_by_source_total", source="local_compute"), local)
+    print(f"{len(MANY)} requests, {prompt_tokens} prompt tokens; per DP rank: pulled requests {served}, "
+          f"prompt tokens from external_kv_transfer {moved}, computed on Decode {computed}")
     assert sum(served) == len(MANY)  # every request was pulled, once, by one rank
     assert all(n > 0 for n in served), f"a DP rank served no pulled request: {served}"
-    assert moved >= prompt_tokens - len(MANY)  # all but each prompt's last token came by transfer
+    # the negative control: the tokens could match with nothing moved (Decode computing the
+    # prompts itself); vLLM counts each rank's prompt tokens by where they came from
+    assert sum(moved) >= prompt_tokens - len(MANY) and sum(computed) <= len(MANY)
+    assert all(m > 0 for m in moved), moved  # each rank's own pulls, not only its requests
     # each rank posted its own rendezvous, naming its own ports (kv_port + dp_index)
     endpoints = {c["endpoint"] for c in children}
     assert endpoints == {f"127.0.0.1:{dp_cluster.kv_port + rank}/1" for rank in range(DP)}, endpoints
 
 
-def test_decode_dp2_negative_control(dp_cluster: Any) -> None:
-    """Both Decode ranks overwrite every block they received with noise: the tokens change."""
-    dp_cluster.ensure(decode={**DP_ARGS, "_test_corrupt": True})
-    prompts = [f"{PROMPTS[1]} once more {i}" for i in range(4)]  # not in Decode's prefix cache
-    baseline = complete(dp_cluster.url("prefill"), prompts)
-    pulled = per_rank(dp_cluster.url("decode"), "vllm:rd2h_pulled_requests_total")
-    answer = complete(dp_cluster.url("proxy"), prompts, timeout=300)
-    served = [a - b for a, b in zip(per_rank(dp_cluster.url("decode"), "vllm:rd2h_pulled_requests_total"), pulled)]
-    assert sum(served) == len(prompts)
-    assert all(got != want for got, want in zip(answer, baseline)), served
+def since(after: list[float], before: list[float]) -> list[float]:
+    return [a - b for a, b in zip(after, before)]
