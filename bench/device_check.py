@@ -169,6 +169,7 @@ def _decode(args: argparse.Namespace, engine: str, conn: Any) -> dict[str, Any]:
             for ext_id, blocks in zip(ids, d_ids):
                 sink.expect(ext_id, main_blocks=blocks)
             conn.send(("ready", r))
+            assert conn.recv() == ("started", r)  # Prefill's own set-up (filling its cache) is not waited for
             out = sink.wait(ids, args.timeout)
             times.append(time.monotonic())
             verified &= all(o.ok for o in out.values()) and check(torch, dst, plan.rounds[r], bt)
@@ -226,6 +227,7 @@ def _prefill(args: argparse.Namespace, engine: str, conn: Any) -> dict[str, Any]
             ids = [f"r{r}-{i}" for i in range(args.requests)]
             for ext_id, blocks in zip(ids, p_ids):
                 source.add_request(ext_id, endpoint, main_block_ids=blocks, num_tokens=args.tokens)
+            conn.send(("started", r))
             starts.append(time.monotonic())
             source.schedule(dict.fromkeys(ids, args.tokens))
             event = None

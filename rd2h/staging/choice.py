@@ -1,7 +1,8 @@
 """When to stage: the KV lives in memory the chosen engine cannot move (the vLLM worker asks).
 
 An engine declares the memory it moves (``TransferEngine.memory_kinds``: device types it
-reads from as Prefill and writes to as Decode; host only by default). Where a layer tensor
+reads from as Prefill and writes to as Decode; host only by default); a tensor's is
+``rd2h.tensors.memory_kind``. Where a layer tensor
 is on a device type the engine does not move, the worker stages: Prefill through a
 :class:`~rd2h.staging.prefill_mirror.PrefillMirror`, Decode through a
 :class:`~rd2h.staging.decode_landing.DecodeLanding`. Mirror size: ``RD2H_STAGING_SLOTS``
@@ -18,32 +19,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from rd2h import plugins
+from rd2h.layout.regions import device_type
 from rd2h.staging.decode_landing import DecodeLanding
-from rd2h.tensors import LayerTensors
+from rd2h.tensors import LayerTensors, memory_kind
 
 __all__ = ["device_types", "moved_by", "WorkerStaging"]
 
 
 def device_types(layers: Mapping[str, LayerTensors]) -> set[str]:
     """The device types the layers' tensors live on (``"host"`` for host memory)."""
-    try:
-        from rd2h.tensors import memory_kind
-    except ImportError:  # before memory kinds: the torch device type
-        def memory_kind(t: Any) -> str:
-            kind = getattr(getattr(t, "device", None), "type", "cpu")
-            return "host" if kind == "cpu" else kind
     return {
-        memory_kind(t).partition(":")[0]
+        device_type(memory_kind(t))
         for tensors in layers.values() for t in (*tensors.main, tensors.indexer, tensors.scale) if t is not None
     }  # fmt: skip
 
 
 def moved_by(engine: str, role: str) -> set[str]:
     """The device types ``engine`` moves in ``role`` (host only where it does not say)."""
-    kinds = getattr(plugins.engine_class(engine), "memory_kinds", None)
-    if kinds is None:
-        return {"host"}
-    return set(kinds().for_role(role))
+    return set(plugins.engine_class(engine).memory_kinds().for_role(role))
 
 
 class WorkerStaging:

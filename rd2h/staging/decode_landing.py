@@ -24,9 +24,9 @@ import numpy as np
 
 from rd2h.device import DONE, CopyDevice, byte_rows, device_of
 from rd2h.errors import ConfigError, RegionError, TransferError
-from rd2h.interfaces import Session, TransferEngine
-from rd2h.layout.regions import Region
-from rd2h.tensors import LayerTensors, tensor_layout
+from rd2h.interfaces import MemoryKinds, Session, TransferEngine
+from rd2h.layout.regions import Region, device_type
+from rd2h.tensors import LayerTensors, memory_kind, tensor_layout
 
 __all__ = ["DecodeLanding", "LandingEngine"]
 
@@ -78,7 +78,7 @@ class DecodeLanding:
         """A landing for every tensor of ``layers`` that is not in host memory; None if all are."""
         staged = [
             t for tensors in layers.values() for t in (*tensors.main, tensors.indexer, tensors.scale)
-            if t is not None and getattr(getattr(t, "device", None), "type", "cpu") != "cpu"
+            if t is not None and memory_kind(t) != "host"
         ]  # fmt: skip
         return cls(staged, **options) if staged else None
 
@@ -87,7 +87,14 @@ class DecodeLanding:
         return 2 * self.half
 
     def wrap(self, engine: TransferEngine) -> LandingEngine:
-        return LandingEngine(engine, self)
+        """``engine`` writing the staged tensors through this landing buffer. The wrapper's
+        ``memory_kinds`` are the engine's, plus writes to the staged tensors' device types."""
+        inner = getattr(type(engine), "memory_kinds", None)
+        inner_kinds = inner() if inner is not None else MemoryKinds()
+        staged = {device_type(memory_kind(t)) for t in self._tensors}
+        kinds = MemoryKinds(inner_kinds.reads_from, inner_kinds.writes_to | staged)
+        cls = type("LandingEngine", (LandingEngine,), {"memory_kinds": classmethod(lambda _: kinds)})
+        return cls(engine, self)
 
     def regions(self, regions: Sequence[Region]) -> list[Region]:
         """``regions`` less the staged tensors' ranges, plus the landing buffer."""
