@@ -15,13 +15,17 @@ Runtime, not pure: threads.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
+from rd2h.errors import RD2HError
 from rd2h.interfaces import Dialer
 
 __all__ = ["ReplyTurn"]
+
+log = logging.getLogger("rd2h.prefill.source")
 
 _SENDER, _CALLER, _KEPT = "sender", "caller", "kept"  # who holds the role (None: nobody)
 
@@ -84,7 +88,8 @@ class ReplyTurn:
 
     def caller_turn(self, timeout: float, handle: Handler, done: Callable[[], bool]) -> None:
         """Wait at most ``timeout`` seconds for one reply and handle it, unless ``done()``
-        (checked while waiting for the role and before reading). The role is kept after."""
+        (checked while waiting for the role and before reading). The role is kept after.
+        Never raises: a handler's error is logged, a dialer that fails (closed) is waited out."""
         deadline = time.monotonic() + timeout
         with self._cond:
             self._wanted += 1
@@ -103,14 +108,23 @@ class ReplyTurn:
                 self._holder = _CALLER
             finally:
                 self._wanted -= 1
+        broken = False
         try:
             if not done():
                 item = self._dialer.recv(max(0.0, deadline - time.monotonic()))
                 if item is not None:
                     self.caller_reads += 1
                     handle(*item)
+        except RD2HError as exc:  # the dialer closed under the caller: wait, never spin, never raise
+            log.debug("reading replies on the caller's thread failed: %s", exc)
+            broken = True
+        except Exception:  # what a Decode sent must not raise into the compute path
+            log.exception("error handling a reply on the caller's thread")
         finally:
             self._release(_KEPT)
+        if broken:
+            with self._cond:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
 
     def _release(self, to: str | None) -> None:
         with self._cond:

@@ -174,3 +174,23 @@ def test_a_caller_whose_slot_is_free_reads_nothing(ends: tuple) -> None:
     turn.give_back()
     turn.sender_turn(10.0, lambda *item: got.append(item))
     assert got == [("memory://reply-turn", b"reply")]
+
+
+def test_a_caller_never_gets_a_handlers_error_nor_spins_on_a_closed_dialer(ends: tuple) -> None:
+    listener, dialer = ends
+    turn = ReplyTurn(dialer, idle_seconds=60.0)
+    dialer.send("memory://reply-turn", b"hello")
+    identity, _ = listener.recv(5.0)
+    listener.send(identity, b"reply")
+
+    def broken(address: str, frame: bytes) -> None:
+        raise RuntimeError("a defect in handling a reply")
+
+    turn.caller_turn(10.0, broken, lambda: False)  # logged, not raised
+    assert turn.holder == "kept" and turn.caller_reads == 1
+    dialer.close()
+    waited = threading.Event()
+    caller = threading.Thread(target=lambda: (turn.caller_turn(0.2, broken, lambda: False), waited.set()))
+    caller.start()
+    caller.join(10.0)
+    assert waited.is_set() and turn.holder == "kept"  # the closed dialer's error ended in a bounded wait
