@@ -137,9 +137,10 @@ def _events(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | None) -> Any:
+def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | None, after: Path | None) -> Any:
     """The e2e tests' cluster with every engine on ``RD2HTraceConnector`` (bench/pd_trace.py);
-    the processes named ``*-before`` import rd2h from ``before`` (an older commit's package)."""
+    the processes named ``*-before`` import rd2h from ``before`` (a commit's package), the others
+    from ``after`` where given (else the checkout)."""
     import vllm_cluster
 
     original = vllm_cluster.Process
@@ -151,8 +152,9 @@ def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | 
             config = json.loads(argv[at])
             config.update(kv_connector="RD2HTraceConnector", kv_connector_module_path="pd_trace")
             argv[at] = json.dumps(config)
-        if name.endswith("-before") and before is not None:
-            paths.insert(0, str(before))
+        package = before if name.endswith("-before") else after
+        if package is not None:
+            paths.insert(0, str(package))
         path = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
         env = {**(env or {}), "PYTHONPATH": path, "RD2H_PD_TRACE_DIR": str(trace_dir)}
         kw.setdefault("cwd", workdir)  # not the checkout: ``python -m`` imports from its cwd first
@@ -186,7 +188,7 @@ def _checkout(rev: str, into: Path) -> Path:
 
 def _title(arm: str, args: argparse.Namespace, rows: list[dict[str, Any]], load: tuple[float, ...]) -> str:
     tokens = statistics.median(r["prompt_tokens"] or 0 for r in rows)
-    who = f"rd2h at {args.before}" if arm == "before" else "rd2h now"
+    who = f"rd2h at {args.before}" if arm == "before" else f"rd2h at {args.after or 'the checkout'}"
     return (f"{who}: {len(rows)} requests an arm, ~{tokens:.0f}-token prompts, {args.max_tokens} tokens, "
             f"load average {load[0]:.1f} on {os.cpu_count()} cores")
 
@@ -207,7 +209,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         build_model(model, args.layers, args.hidden, args.max_model_len)
     trace_dir = workdir / f"trace-{os.getpid()}"
     before = _checkout(args.before, workdir / f"before-{os.getpid()}") if args.before else None
-    cluster = _traced_cluster(model, workdir, trace_dir, before)
+    after = _checkout(args.after, workdir / f"after-{os.getpid()}") if args.after else None
+    cluster = _traced_cluster(model, workdir, trace_dir, before, after)
     engine_args = ["--max-model-len", str(args.max_model_len), "--max-num-batched-tokens", str(args.batched_tokens)]
     # arm -> (proxy, decode); "one" asks the Prefill engine directly
     pd_arms = {"pd": ("proxy", "decode"), **({"before": ("proxy-before", "decode-before")} if before else {})}
@@ -315,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-seconds", type=float, default=3.0, help="the window of the idle CPU measurement")
     parser.add_argument("--before", metavar="REV", help="a third arm: a second Decode and proxy running rd2h as "
                         "it was at git revision REV (the same Prefill), interleaved with the others")
+    parser.add_argument("--after", metavar="REV", help="the other processes run rd2h as it was at REV (default: "
+                        "the checkout, whatever is not committed included)")
     parser.add_argument("--workdir", help="keep the model, logs and traces here (default: a temporary directory)")
     parser.add_argument("--json", default="vllm_pd.json", help="where to write the results")
     parser.add_argument("--plot", help="where to draw the breakdown (default: the JSON's path with .png)")
