@@ -178,11 +178,18 @@ def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | 
     return TracedCluster(model, workdir)
 
 
-def _checkout(rev: str, into: Path) -> Path:
-    """The ``rd2h`` package as it was at ``rev`` (git archive), for the "before" arm."""
+def _checkout(spec: str, into: Path) -> Path:
+    """The ``rd2h`` package as it was at ``spec``: a revision (git archive), or ``REV+C1+C2``:
+    that revision with the changes of commits C1, C2 to ``rd2h/`` applied (one change measured
+    apart from the others that landed meanwhile); nothing in the checkout changes."""
+    rev, *commits = spec.split("+")
     into.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "archive", rev, "rd2h"], cwd=HERE.parent, check=True, capture_output=True).stdout
+    git = ["git", "-C", str(HERE.parent)]
+    archive = subprocess.run([*git, "archive", rev, "rd2h"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    for commit in commits:
+        diff = subprocess.run([*git, "diff", f"{commit}~1", commit, "--", "rd2h"], check=True, capture_output=True).stdout
+        subprocess.run(["git", "apply", "-p1"], cwd=into, input=diff, check=True)
     return into
 
 
@@ -317,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batched-tokens", type=int, default=2048, help="both engines' --max-num-batched-tokens")
     parser.add_argument("--idle-seconds", type=float, default=3.0, help="the window of the idle CPU measurement")
     parser.add_argument("--before", metavar="REV", help="a third arm: a second Decode and proxy running rd2h as "
-                        "it was at git revision REV (the same Prefill), interleaved with the others")
-    parser.add_argument("--after", metavar="REV", help="the other processes run rd2h as it was at REV (default: "
-                        "the checkout, whatever is not committed included)")
+                        "it was at git revision REV (the same Prefill), interleaved with the others; REV+C1+C2: "
+                        "with the rd2h/ changes of commits C1 and C2 applied")
+    parser.add_argument("--after", metavar="REV", help="the other processes run rd2h as it was at REV, or REV+C1+C2 "
+                        "(default: the checkout, whatever is not committed included)")
     parser.add_argument("--workdir", help="keep the model, logs and traces here (default: a temporary directory)")
     parser.add_argument("--json", default="vllm_pd.json", help="where to write the results")
     parser.add_argument("--plot", help="where to draw the breakdown (default: the JSON's path with .png)")
