@@ -1,6 +1,6 @@
 """The control path through each channel, against bare ping-pongs, interleaved in one run.
 
-    python bench/control_channel.py [--rounds 5] [--messages 2000] [--layers 256] [--json out.json]
+    python bench/control_channel.py [--rounds 5] [--messages 2000] [--layers 256] [--baseline DIR] [--json out.json]
     python bench/trace_layer.py --channel tcp          # where a tiny layer's time goes, hop by hop
 
 Each round runs these arms, in an order rotated from round to round (so a drift in the
@@ -17,6 +17,8 @@ machine's load does not always favour the same arm):
   1 --channel NAME`` (``layer_latency_p50_ms``: announced on Prefill -> Decode read and replied
   -> the slot released on Prefill).
 
+With ``--baseline DIR`` (an older checkout: ``git worktree add --detach DIR COMMIT``) the two
+tiny-layer arms also run from it (``layer zmq @base``, ``layer tcp @base``), in the same rotation.
 Ratios are taken within a round (each p50 over the zmq ping-pong's p50 of that round), then the
 median over rounds is reported, with the range.
 """
@@ -93,20 +95,22 @@ def measure_channel(name: str, messages: int) -> dict[str, float]:
     return pingpong._percentiles(times, messages)
 
 
-def _layer(channel: str, port: int, layers: int) -> dict[str, float]:
+def _layer(channel: str, port: int, layers: int, checkout: str | None = None) -> dict[str, float]:
     args = [*TINY]
     args[args.index("--layers") + 1] = str(layers)
-    result = demo([*args, "--channel", channel], port, None)
+    result = demo([*args, "--channel", channel], port, checkout)
     return {"p50_us": result["layer_latency_p50_ms"] * 1e3}
 
 
-def run_rounds(rounds: int, messages: int, layers: int) -> list[dict[str, dict[str, float]]]:
+def run_rounds(rounds: int, messages: int, layers: int, baseline: str | None = None) -> list[dict[str, dict[str, float]]]:
     arms: list[tuple[str, Any]] = [
         ("zmq ping-pong", lambda port: pingpong.measure(messages)),
         ("socket ping-pong", lambda port: pingpong.measure_socket(messages)),
         *((f"channel {c}", lambda port, c=c: measure_channel(c, messages)) for c in CHANNELS),
         *((f"layer {c}", lambda port, c=c: _layer(c, port, layers)) for c in CHANNELS),
     ]
+    if baseline:
+        arms += [(f"layer {c} @base", lambda port, c=c: _layer(c, port, layers, baseline)) for c in CHANNELS]
     results = []
     port = 7500 + (os.getpid() % 500) * 4
     for n in range(rounds):
@@ -127,13 +131,16 @@ def summarize(rows: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, fl
     for label in rows[0]:
         p50s = [r[label]["p50_us"] for r in rows]
         ratios = [r[label]["p50_us"] / r["zmq ping-pong"]["p50_us"] for r in rows]
-        over_zmq_channel = None
+        over_zmq_channel = over_base = None
         if label.startswith("layer "):
             over_zmq_channel = statistics.median(r[label]["p50_us"] / r["layer zmq"]["p50_us"] for r in rows)
+        if label.startswith("layer ") and f"{label} @base" in rows[0]:
+            over_base = statistics.median(r[label]["p50_us"] / r[f"{label} @base"]["p50_us"] for r in rows)
         out[label] = {
             "p50_us": statistics.median(p50s), "p50_min_us": min(p50s), "p50_max_us": max(p50s),
             "over_zmq_pingpong": statistics.median(ratios), "over_min": min(ratios), "over_max": max(ratios),
             **({"over_layer_zmq": over_zmq_channel} if over_zmq_channel is not None else {}),
+            **({"over_baseline": over_base} if over_base is not None else {}),
         }
     return out
 
@@ -143,13 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--messages", type=int, default=2000, help="round trips per ping-pong arm")
     parser.add_argument("--layers", type=int, default=256, help="layers per tiny-layer demo")
+    parser.add_argument("--baseline", help="an older checkout whose tiny-layer demos run as well")
     parser.add_argument("--json")
     parser.add_argument("--serve-channel", nargs=2, metavar=("NAME", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_channel:
         _serve_channel(args.serve_channel[0], int(args.serve_channel[1]))
         return 0
-    rows = run_rounds(args.rounds, args.messages, args.layers)
+    rows = run_rounds(args.rounds, args.messages, args.layers, args.baseline)
     summary = summarize(rows)
     print(f"medians over {args.rounds} interleaved rounds (ratio: p50 / the same round's zmq ping-pong p50)")
     print(f"  {'arm':<18}{'p50 us':>8}{'range':>14}{'ratio':>8}{'range':>14}")
@@ -158,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['over_zmq_pingpong']:>8.2f}{s['over_min']:>7.2f}-{s['over_max']:<6.2f}")
     for label in (f"layer {c}" for c in CHANNELS if c != "zmq"):
         print(f"  {label} / layer zmq (same round), median: {summary[label]['over_layer_zmq']:.2f}")
+    for label in (f"layer {c}" for c in CHANNELS if "over_baseline" in summary[f"layer {c}"]):
+        print(f"  {label} / {label} @base (same round), median: {summary[label]['over_baseline']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": rows, "summary": summary}, indent=2))
     return 0
