@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -179,17 +180,19 @@ def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | 
 
 
 def _checkout(spec: str, into: Path) -> Path:
-    """The ``rd2h`` package as it was at ``spec``: a revision (git archive), or ``REV+C1+C2``:
-    that revision with the changes of commits C1, C2 to ``rd2h/`` applied (one change measured
-    apart from the others that landed meanwhile); nothing in the checkout changes."""
-    rev, *commits = spec.split("+")
+    """The ``rd2h`` package as it was at ``spec``: a revision (git archive), or ``REV+C1-C2``:
+    that revision with the changes of commit C1 to ``rd2h/`` applied and those of C2 taken
+    back, in that order (one change measured apart from what landed meanwhile); nothing in the
+    checkout changes."""
+    rev, *steps = re.split(r"(?=[+-])", spec)
     into.mkdir(parents=True, exist_ok=True)
     git = ["git", "-C", str(HERE.parent)]
     archive = subprocess.run([*git, "archive", rev, "rd2h"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    for commit in commits:
+    for step in steps:
+        commit = step[1:]
         diff = subprocess.run([*git, "diff", f"{commit}~1", commit, "--", "rd2h"], check=True, capture_output=True).stdout
-        subprocess.run(["git", "apply", "-p1"], cwd=into, input=diff, check=True)
+        subprocess.run(["git", "apply", "-p1", *(["-R"] if step[0] == "-" else [])], cwd=into, input=diff, check=True)
     return into
 
 
@@ -324,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batched-tokens", type=int, default=2048, help="both engines' --max-num-batched-tokens")
     parser.add_argument("--idle-seconds", type=float, default=3.0, help="the window of the idle CPU measurement")
     parser.add_argument("--before", metavar="REV", help="a third arm: a second Decode and proxy running rd2h as "
-                        "it was at git revision REV (the same Prefill), interleaved with the others; REV+C1+C2: "
-                        "with the rd2h/ changes of commits C1 and C2 applied")
-    parser.add_argument("--after", metavar="REV", help="the other processes run rd2h as it was at REV, or REV+C1+C2 "
+                        "it was at git revision REV (the same Prefill), interleaved with the others; REV+C1-C2: "
+                        "with the rd2h/ changes of commit C1 applied and those of C2 taken back")
+    parser.add_argument("--after", metavar="REV", help="the other processes run rd2h as it was at REV, or REV+C1-C2 "
                         "(default: the checkout, whatever is not committed included)")
     parser.add_argument("--workdir", help="keep the model, logs and traces here (default: a temporary directory)")
     parser.add_argument("--json", default="vllm_pd.json", help="where to write the results")
