@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rd2h import plugins
@@ -161,6 +161,7 @@ class KVSource(Source):
         max_endpoints: int = 256,
         pp_rank: int = 0,
         pp_size: int = 1,
+        model_layers: Sequence[int] | None = None,
     ) -> None:
         transfer = plugins.load_engine(engine, "prefill", **dict(engine_options or {}))
         with _closed_on_error(transfer):
@@ -171,7 +172,7 @@ class KVSource(Source):
                     block_size=block_size, last_layer=last_layer, reply_timeout=reply_timeout,
                     indexer_block_size=indexer_block_size, inline_announce=inline_announce,
                     reuse_slots=reuse_slots, clock=clock, endpoint_idle_seconds=endpoint_idle_seconds,
-                    max_endpoints=max_endpoints, pp_rank=pp_rank, pp_size=pp_size,
+                    max_endpoints=max_endpoints, pp_rank=pp_rank, pp_size=pp_size, model_layers=model_layers,
                 )
         self.start()
 

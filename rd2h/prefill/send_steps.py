@@ -83,6 +83,16 @@ class EndpointRecord:
     unacked: int = 0  # mf_meta frames sent (since it was last revived) and not yet acknowledged
     users: int = 0  # live requests that name it: while any does, it is never forgotten
     last_used: float = 0.0  # when a request named it, a readiness went out or a reply came
+    layers: frozenset[int] | None = None  # a Decode pipeline stage: the layers it holds (None: all)
+    last: int | None = None  # ... and the one that carries its final signal
+
+    def sends(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` goes to this endpoint."""
+        return self.layers is None or layer_idx in self.layers
+
+    def final(self, layer_idx: int, source_last: bool) -> bool:
+        """Whether this layer's readiness carries the final signal to this endpoint."""
+        return source_last if self.last is None else layer_idx == self.last
 
 
 

@@ -1,22 +1,22 @@
-"""The Prefill send tracker: per request and per Decode endpoint, what was announced, what
-is still unanswered, and how each request ends (pure: no threads, no I/O, no clock reads).
+"""The Prefill send tracker: per request and per Decode endpoint, what was announced, what is still
+unanswered, and how each request ends (pure: no threads, no I/O, no clock reads).
 
-:class:`~rd2h.prefill.source.Source` feeds it local calls (requests, steps, layers) and remote
-input (reply frames, silence) and carries out what it returns (frames to send, slots to
-release, connections to drop). Every call that can end a request takes ``now``.
+:class:`~rd2h.prefill.source.Source` feeds it local calls (requests, steps, layers) and remote input
+(reply frames, silence) and carries out what it returns (frames to send, slots to release,
+connections to drop). Every call that can end a request takes ``now``.
 
-Its states and transition tables are drawn in :mod:`rd2h.prefill.send_states`: a request is
-ACTIVE, then FINAL, FAILING or ABORTING, and settles DONE, FAILED or ABORTED once no
-readiness naming it is unanswered; each is reported exactly once (``take``/``collect``),
-and then no state of it is left. In-flight readiness names request *instances*, never ids, so a late reply about
-an earlier request can never touch a later one with the same id. What a step announces is
-built in :mod:`rd2h.prefill.send_steps`.
+Its states and transition tables are drawn in :mod:`rd2h.prefill.send_states`: a request is ACTIVE,
+then FINAL, FAILING or ABORTING, and settles DONE, FAILED or ABORTED once no readiness naming it is
+unanswered; each is reported exactly once (``take``/``collect``), and then no state of it is left.
+In-flight readiness names request *instances*, never ids, so a late reply about an earlier request
+can never touch a later one with the same id. What a step announces is built in
+:mod:`rd2h.prefill.send_steps`; which Decode ranks get which layers, in :mod:`rd2h.prefill.stage_routes`.
 
-Remote input never raises: malformed frames, replies for layers not in flight or from
-unknown endpoints, READ_FAILED naming requests that are not there are counted in
-:attr:`SendTracker.counters` and otherwise ignored; a failure becomes the outcome of the
-requests it names (never of a slot or of the next request). Each settled request is told to
-its Decode endpoints (``take_notices``, see :mod:`rd2h.prefill.settled_notices`).
+Remote input never raises: malformed frames, replies for layers not in flight or from unknown
+endpoints, READ_FAILED naming requests that are not there are counted in :attr:`SendTracker.counters`
+and otherwise ignored; a failure becomes the outcome of the requests it names (never of a slot or of
+the next request). Each settled request is told to its Decode endpoints (``take_notices``, see
+:mod:`rd2h.prefill.settled_notices`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from rd2h.prefill.send_steps import (
     next_chunks,
 )
 from rd2h.prefill.settled_notices import SettledNotices
+from rd2h.prefill.stage_routes import stage_routes
 from rd2h.statemachine import step as _step
 from rd2h.wire import protocol
 from rd2h.wire.endpoint import DecodeEndpoint
@@ -75,10 +76,11 @@ _RE, _EE = RequestEvent, EndpointEvent
 class SendTracker:
     """Every request and Decode endpoint of one Prefill TP rank.
 
-    ``layer_block_bytes[i]`` is ``(main, indexer)`` bytes per block of layer ``i`` (for
-    :attr:`Outcome.nbytes <rd2h.outcome.Outcome.nbytes>`); ``last_layer`` is the layer
-    whose readiness carries ``done_ext_ids``; ``endpoint_idle_seconds`` and ``max_endpoints``
-    bound the endpoints kept (:mod:`~rd2h.prefill.endpoint_book`). Raises ConfigError on bad arguments.
+    ``layer_block_bytes[i]`` is ``(main, indexer)`` bytes per block of layer ``i`` (for :attr:`Outcome.nbytes
+    <rd2h.outcome.Outcome.nbytes>`); ``last_layer`` is the layer whose readiness carries ``done_ext_ids``;
+    ``endpoint_idle_seconds`` and ``max_endpoints`` bound the endpoints kept (:mod:`~rd2h.prefill.endpoint_book`);
+    ``model_layers``: each layer's index in the model, for a Decode run with pipeline parallel. Raises
+    ConfigError on bad arguments.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class SendTracker:
         reply_timeout: float = 30.0,
         endpoint_idle_seconds: float = 300.0,
         max_endpoints: int = 256,
+        model_layers: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= rank < tp_size:
             raise ConfigError(f"rank {rank} outside 0..{tp_size - 1}")
@@ -107,7 +110,7 @@ class SendTracker:
         self._rank, self._tp_size = rank, tp_size
         self._meta = meta_frame
         self._layer_bytes = np.asarray(layer_block_bytes, np.int64).reshape(-1, 2)
-        self._last = last_layer
+        self._last, self._model_layers = last_layer, model_layers
         self._block_size, self._indexer_block_size = block_size, indexer_block_size
         self._reply_timeout = reply_timeout
         self._requests: dict[str, RequestRecord] = {}
@@ -150,18 +153,20 @@ class SendTracker:
         if indexer_block_ids is None and self._indexer_block_size != self._block_size:
             raise ConfigError(f"request {ext_id!r}: indexer blocks hold other tokens than main ones; give their ids")
         topology = Topology(self._tp_size, decode.tp_size)
-        addresses = tuple(decode.address(d) for d in topology.decode_ranks_of(self._rank))
+        routes = stage_routes(decode, self._rank, self._tp_size, self._model_layers)
+        addresses = tuple(route.address for route in routes)
         main = GroupChunks(self._block_size, num_tokens, first_block)
         indexer = GroupChunks(
             self._indexer_block_size, num_tokens, first_block * self._block_size // self._indexer_block_size
         )
         main_ids = block_ids(main_block_ids, "main_block_ids")
         indexer_ids = None if indexer_block_ids is None else block_ids(indexer_block_ids, "indexer_block_ids")
-        for address in addresses:
-            endpoint = self._endpoints.named(address, now)
+        for route in routes:
+            endpoint = self._endpoints.named(route.address, now)
+            endpoint.layers, endpoint.last = route.layers, route.last  # a Decode stage: its layers only
             if endpoint.state is EndpointState.SILENT:
                 endpoint.unacked = 0  # an mf_meta the silent Decode never acknowledged is not waited for
-            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.REVIVE, address)
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.REVIVE, route.address)
         request = RequestRecord(
             ext_id, self._slots.take(), addresses, topology.member_of(self._rank), topology.ratio,
             main, indexer, main_ids, indexer_ids, now,
@@ -243,21 +248,20 @@ class SendTracker:
             raise ConfigError(f"layer {layer_idx} outside 0..{len(self._layer_bytes) - 1}")
         if step.epoch != self._epoch:
             build_step(step, self._epoch)
-        targets = [(a, ann) for a, ann in step.by_address.items() if ann.requests]
-        last = layer_idx == self._last
+        book, last = self._endpoints, layer_idx == self._last
+        targets = [(a, ann) for a, ann in step.by_address.items() if ann.requests and book[a].sends(layer_idx)]
         main_bytes, indexer_bytes = self._layer_bytes[layer_idx]
         effects = Effects()
         for address, ann in targets:
-            endpoint = self._endpoints[address]
+            endpoint = book[address]
             self._endpoints.touch(address, endpoint, now)
             # a SILENT endpoint is named by no announced request (they failed when it fell silent)
             if endpoint.state in NEEDS_META:
                 effects.sends.append((address, layer_idx, self._meta))
                 endpoint.unacked += 1
             endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
-            frame = protocol.encode_readiness(
-                layer_idx, layer_name, ann.packed, ann.done if last else (), ann.member, ann.ratio
-            )
+            final = ann.done if endpoint.final(layer_idx, last) else ()  # a Decode stage's own last layer
+            frame = protocol.encode_readiness(layer_idx, layer_name, ann.packed, final, ann.member, ann.ratio)
             effects.sends.append((address, layer_idx, frame))
             sent = SentReadiness(layer_idx, frame, ann.slots, ann.requests, now)
             endpoint.in_flight.setdefault(layer_idx, deque()).append(sent)
@@ -405,22 +409,18 @@ class SendTracker:
 
     def request_state(self, ext_id: str) -> RequestState | None:
         """The state of a tracked request; None when not tracked (or already settled)."""
-        request = self._requests.get(ext_id)
-        return None if request is None else request.state
+        return None if (request := self._requests.get(ext_id)) is None else request.state
 
     def unanswered(self, ext_id: str) -> int:
         """Readiness naming the tracked request ``ext_id`` that no endpoint answered yet."""
-        request = self._requests.get(ext_id)
-        return 0 if request is None else int(self._slots.unanswered[request.slot])
+        return 0 if (request := self._requests.get(ext_id)) is None else int(self._slots.unanswered[request.slot])
 
     def endpoint_state(self, address: str) -> EndpointState | None:
-        endpoint = self._endpoints.get(address)
-        return None if endpoint is None else endpoint.state
+        return None if (endpoint := self._endpoints.get(address)) is None else endpoint.state
 
     def in_flight(self, address: str) -> frozenset[int]:
         """Layers whose readiness ``address`` has not answered."""
-        endpoint = self._endpoints.get(address)
-        return frozenset() if endpoint is None else frozenset(endpoint.in_flight)
+        return frozenset() if (endpoint := self._endpoints.get(address)) is None else frozenset(endpoint.in_flight)
 
     def live_ids(self) -> frozenset[str]:
         return frozenset(self._requests)

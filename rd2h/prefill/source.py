@@ -10,19 +10,15 @@ One :class:`Source` serves one Prefill TP rank. The compute path drives it:
         source.layer_ready(layer, event)              # announce (or queue until the event)
     source.take_finished()                            # requests that ended, each once
 
-The source is a thin loop: every request and endpoint lives in a pure
-:class:`~rd2h.prefill.send_tracker.SendTracker`, the storage slots in a :class:`~rd2h.prefill.gate.SlotGate`.
-A background sender (owned by the source) waits for each layer's event, asks the tracker
-what to send, sends it, and feeds every reply back; a layer written without an event is
-announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``), and
-a caller waiting for its slots reads the replies itself (:mod:`rd2h.prefill.reply_turn`).
-A Decode endpoint that does not reply within ``reply_timeout`` (on the injectable
-``clock``) is abandoned: its slots are released and the requests it held fail with
-ReplyTimeout. Failures belong to the requests
-they hit: the compute path is never handed another request's error. Endpoints no request
-uses are closed and forgotten after a bound (``endpoint_idle_seconds``, ``max_endpoints``).
-Warnings about what a Decode sends are limited per Decode and reason, with counts
-(:mod:`rd2h.quiet_log`).
+The source is a thin loop: every request and endpoint lives in a pure :class:`~rd2h.prefill.send_tracker.SendTracker`,
+the storage slots in a :class:`~rd2h.prefill.gate.SlotGate`. A background sender (owned by the source) waits for each
+layer's event, asks the tracker what to send, sends it, and feeds every reply back; a layer written without an event is
+announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``), and a caller waiting for its
+slots reads the replies itself (:mod:`rd2h.prefill.reply_turn`). A Decode endpoint that does not reply within
+``reply_timeout`` (on the injectable ``clock``) is abandoned: its slots are released and the requests it held fail with
+ReplyTimeout. Failures belong to the requests they hit: the compute path is never handed another request's error.
+Endpoints no request uses are closed and forgotten after a bound (``endpoint_idle_seconds``, ``max_endpoints``).
+Warnings about what a Decode sends are limited per Decode and reason, with counts (:mod:`rd2h.quiet_log`).
 
 Blocking calls bound how long the caller's thread blocks in real time; protocol timeouts and
 outcome times use ``clock``.
@@ -91,25 +87,23 @@ def _block_bytes(layout: LayerLayout) -> tuple[int, int]:
 class Source:
     """The Prefill runtime of one TP rank.
 
-    ``layers`` maps every logical layer name, in layer order, to its source layout;
-    logical layers that reuse a physical buffer share its base addresses, and the slot
-    gate keys on those. ``block_size`` is tokens per main block, ``indexer_block_size``
-    per indexer block (None: the same). The engine, dialer and sender thread belong to the
-    source. ``inline_announce``: a layer whose KV is written (``layer_ready`` without an
-    event) is announced on the calling thread when the dialer allows concurrent sends and
-    no earlier layer is queued; False sends everything from the sender thread.
-    ``caller_reads_replies``: ``wait_for_layer_send`` reads Decode's replies on the calling
-    thread (with ``concurrent_send``; :mod:`rd2h.prefill.reply_turn`); False: the sender's only.
-    ``reuse_slots``: logical layers share physical buffers, so a layer waits for its slots
-    (``wait_for_layer_send``) until every Decode endpoint answered the layer that used them
-    last. False where every block stays the request's until it is finished (vLLM's paged
-    cache): nothing waits, and a layer may be announced again (next step, other requests)
-    while Decode still reads the previous one. A Decode endpoint that no live request names
-    and that owes no reply is unused: its connection is closed and its record forgotten once
-    unused for ``endpoint_idle_seconds``, or, while more than ``max_endpoints`` are known, least
-    recently used first once unused for ``reply_timeout``; named again, it is dialled again.
-    ``pp_rank``/``pp_size``: the pipeline stage whose layers ``layers`` are (its ``mf_meta`` says
-    so, and Decode then takes them as that stage's share of the model).
+    ``layers`` maps every logical layer name, in layer order, to its source layout; logical layers that reuse a
+    physical buffer share its base addresses, and the slot gate keys on those. ``block_size`` is tokens per main
+    block, ``indexer_block_size`` per indexer block (None: the same). The engine, dialer and sender thread belong to
+    the source. ``inline_announce``: a layer whose KV is written (``layer_ready`` without an event) is announced on
+    the calling thread when the dialer allows concurrent sends and no earlier layer is queued; False sends
+    everything from the sender thread. ``caller_reads_replies``: ``wait_for_layer_send`` reads Decode's replies on
+    the calling thread (with ``concurrent_send``; :mod:`rd2h.prefill.reply_turn`); False: the sender's only.
+    ``reuse_slots``: logical layers share physical buffers, so a layer waits for its slots (``wait_for_layer_send``)
+    until every Decode endpoint answered the layer that used them last. False where every block stays the request's
+    until it is finished (vLLM's paged cache): nothing waits, and a layer may be announced again (next step, other
+    requests) while Decode still reads the previous one. A Decode endpoint that no live request names and that owes
+    no reply is unused: its connection is closed and its record forgotten once unused for ``endpoint_idle_seconds``,
+    or, while more than ``max_endpoints`` are known, least recently used first once unused for ``reply_timeout``;
+    named again, it is dialled again. ``pp_rank``/``pp_size``: the pipeline stage whose layers ``layers`` are (its
+    ``mf_meta`` says so, and Decode then takes them as that stage's share of the model). ``model_layers``: each
+    layer's index in the model, in ``layers``' order, which a Decode run with pipeline parallel needs (each layer
+    goes to the Decode stage holding it).
     Raises ConfigError on bad arguments.
     """
 
@@ -134,6 +128,7 @@ class Source:
         max_endpoints: int = 256,
         pp_rank: int = 0,
         pp_size: int = 1,
+        model_layers: Sequence[int] | None = None,
     ) -> None:
         if not layers:
             raise ConfigError("a Source needs at least one layer")
@@ -159,6 +154,7 @@ class Source:
             layer_block_bytes=[_block_bytes(layout) for layout in self._layers.values()],
             last_layer=self._index[last], block_size=block_size, indexer_block_size=indexer_block_size,
             reply_timeout=reply_timeout, endpoint_idle_seconds=endpoint_idle_seconds, max_endpoints=max_endpoints,
+            model_layers=model_layers,
         )
         self._quiet = QuietLog(log, clock=clock)  # per Decode and reason: a peer cannot flood the log
         self._lock = threading.Condition()  # guards the tracker; notified when requests settle
@@ -194,12 +190,11 @@ class Source:
     ) -> None:
         """Track a request to be pulled by ``decode``.
 
-        Block ids are the request's block table in prompt order from position 0; they may be
-        partial or empty now and grow by :meth:`extend`. ``indexer_block_ids`` None: the
-        indexer uses the main ids. ``first_block`` main blocks are a prefix Decode holds
-        already: announcing starts there. Raises DuplicateRequestError if ``ext_id`` is
-        tracked or its outcome not yet taken (the live request is untouched), ConfigError /
-        TopologyError / PortError on bad arguments.
+        Block ids are the request's block table in prompt order from position 0; they may be partial or empty now and
+        grow by :meth:`extend`. ``indexer_block_ids`` None: the indexer uses the main ids. ``first_block`` main blocks
+        are a prefix Decode holds already: announcing starts there. Raises DuplicateRequestError if ``ext_id`` is
+        tracked or its outcome not yet taken (the live request is untouched), ConfigError / TopologyError / PortError
+        on bad arguments.
         """
         with self._lock:
             self._tracker.add_request(
@@ -296,9 +291,8 @@ class Source:
     def wait_finished(self, ext_ids: Sequence[str], timeout: float) -> dict[str, Outcome]:
         """Block until every request in ``ext_ids`` ended; return their outcomes, consumed.
 
-        Raises UnknownRequestError at once for an id never added (or already taken),
-        WaitTimeout (a TimeoutError) naming the pending ids after ``timeout`` seconds;
-        nothing is consumed then.
+        Raises UnknownRequestError at once for an id never added (or already taken), WaitTimeout (a TimeoutError)
+        naming the pending ids after ``timeout`` seconds; nothing is consumed then.
         """
         ids = list(ext_ids)
         deadline = time.monotonic() + timeout

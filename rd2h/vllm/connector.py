@@ -33,7 +33,7 @@ from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.kv_groups import check_groups
 from rd2h.vllm.metadata import StepMetadata
-from rd2h.vllm.parallel import check_parallel, dp_rank_of
+from rd2h.vllm.parallel import check_parallel, decode_stages, pipeline_stage, port_rank
 from rd2h.vllm.scheduler import RD2HScheduler
 from rd2h.vllm.stats import RD2HStats, SchedulerTally, build_prom_metrics
 from rd2h.vllm.vouch import load_secret
@@ -169,10 +169,11 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
         parallel = vllm_config.parallel_config
         tp = int(parallel.tensor_parallel_size)
-        # pipeline parallel: served on a Prefill (each stage sends its own layers), refused elsewhere
+        # pipeline parallel: refused only with handoff_port (its ports carry no stage)
         check_parallel(parallel, consumer=consumer, handoff=self.rd2h_config.handoff_port is not None)
         _check_speculative(vllm_config)  # a drafter with KV layers of its own: refused at startup
-        dp_rank = dp_rank_of(parallel)  # the global DP rank (vLLM resets data_parallel_rank for dense DP)
+        # ports: the global DP rank (vLLM resets data_parallel_rank for dense DP) x pipeline stages
+        dp_rank = port_rank(parallel)
         # every KV cache group is pulled or the engine does not start (hybrid allocator, mamba...)
         check_groups(kv_cache_config, self.rd2h_config.mode)
         sizes = _block_sizes(vllm_config, kv_cache_config)
@@ -186,7 +187,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = RD2HScheduler(
                 self.rd2h_config, consumer=consumer, producer=producer, block_sizes=sizes, tp_size=tp,
-                dp_rank=dp_rank, world_size=int(parallel.world_size), secret=secret,
+                dp_rank=dp_rank, world_size=int(parallel.world_size), secret=secret, stages=decode_stages(vllm_config),
                 prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
                 # a vLLM without the setting fails a failed load
                 load_failure_policy=str(getattr(transfer, "kv_load_failure_policy", "fail")),
@@ -197,7 +198,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
             self._worker = self.worker_class(
                 self.rd2h_config, consumer=consumer, producer=producer, rank=get_tensor_model_parallel_rank(),
-                tp_size=tp, dp_rank=dp_rank, block_sizes=sizes, kv_cache_config=kv_cache_config,
+                tp_size=tp, dp_rank=dp_rank + pipeline_stage().get("pp_rank", 0), block_sizes=sizes,
+                kv_cache_config=kv_cache_config,
                 kv_heads=kv_heads,
             )
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from rd2h.errors import ConfigError
 
-__all__ = ["check_parallel", "dp_rank_of", "pipeline_stage"]
+__all__ = ["check_parallel", "decode_stages", "dp_rank_of", "model_layers", "pipeline_stage", "port_rank"]
 
 
 def dp_rank_of(parallel: Any) -> int:
@@ -35,31 +35,45 @@ def dp_rank_of(parallel: Any) -> int:
 
 
 def check_parallel(parallel: Any, *, consumer: bool = True, handoff: bool = False) -> None:
-    """Raises ConfigError for a layout the connector would serve wrongly.
+    """Raises ConfigError for a layout the connector would serve wrongly: pipeline parallel on a
+    Prefill with ``handoff`` (vLLM's P/D convention), whose hand-off ports carry no stage.
 
-    Pipeline parallel is served on a Prefill (``consumer`` False): each stage announces the
-    layers it computed, its ``mf_meta`` names its stage, and Decode completes a request once
-    the stages together covered every layer. It is refused on a Decode (a Decode stage holds
-    only some layers, and Prefill does not route layers by Decode stage) and, on a Prefill,
-    with ``handoff`` (vLLM's P/D convention: its ports carry no stage).
+    Pipeline parallel is otherwise served on either side (``consumer``: a Decode): a Prefill
+    stage announces the layers it computed, each to the Decode stage holding it (the
+    rendezvous names Decode's stages, :func:`decode_stages`), and a Decode stage binds ports of
+    its own (:func:`port_rank`).
     """
     pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
-    if pp == 1:
-        return
-    if consumer:
-        raise ConfigError(
-            f"rd2h does not support pipeline parallel on Decode yet (pipeline_parallel_size={pp}): a Decode stage "
-            "holds only its own layers, and Prefill announces every layer to one Decode endpoint, not to the stage "
-            "that holds it. Run Decode with --pipeline-parallel-size 1 (use tensor parallel instead; a Prefill may "
-            "run pipeline parallel); see docs/vllm.md, 'Support matrix'."
-        )
-    if handoff:
+    if pp > 1 and handoff:
         raise ConfigError(
             f"rd2h's handoff_port (vLLM's P/D convention) does not support pipeline parallel yet "
             f"(pipeline_parallel_size={pp}): the hand-off ports carry no stage, so the stages of one TP rank would "
             "bind the same port. Run this Prefill behind rd2h proxy (no handoff_port), or with "
             "--pipeline-parallel-size 1; see docs/vllm.md, 'Support matrix'."
         )
+
+
+def port_rank(parallel: Any, pp_rank: int = 0) -> int:
+    """What rd2h's ports are laid out by (``kv_port + port_rank * tp + tp_rank``): the global DP
+    rank times the pipeline stages, plus this worker's stage, as vLLM orders ranks (DP x PP x TP).
+    Without pipeline parallel it is the global DP rank."""
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    return dp_rank_of(parallel) * pp + pp_rank
+
+
+def decode_stages(vllm_config: Any) -> tuple[int, ...]:
+    """The model layers each of this engine's pipeline stages holds, as vLLM splits them
+    (``VLLM_PP_LAYER_PARTITION`` included); empty without pipeline parallel. A Decode's
+    rendezvous names them, so that Prefill sends each layer to the stage that holds it."""
+    import os
+
+    from rd2h.vllm.pipeline import StageSplit
+
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp == 1:
+        return ()
+    layers = int(vllm_config.model_config.get_total_num_hidden_layers())
+    return StageSplit.of(layers, pp, os.environ.get("VLLM_PP_LAYER_PARTITION")).counts
 
 
 def pipeline_stage() -> dict[str, int]:
@@ -73,3 +87,14 @@ def pipeline_stage() -> dict[str, int]:
         return {}
     size = int(group.world_size)
     return {"pp_rank": int(group.rank_in_group), "pp_size": size} if size > 1 else {}
+
+
+def model_layers(names: Any) -> list[int] | None:
+    """Each layer's index in the model, read from vLLM's layer names (``model.layers.3...``); None
+    where a name does not say (a Prefill then refuses only requests for a Decode with stages)."""
+    from rd2h.vllm.pipeline import layer_index
+
+    try:
+        return [layer_index(name) for name in names]
+    except ConfigError:
+        return None

@@ -121,6 +121,7 @@ class RD2HScheduler:
         engine_id: str = "",
         asker: Any = None,
         clock: Callable[[], float] = time.time,
+        stages: tuple[int, ...] = (),
     ) -> None:
         self.config = config
         self.consumer, self.producer = consumer, producer
@@ -130,7 +131,8 @@ class RD2HScheduler:
         self._secret, self._clock = secret, clock
         self._prefix_caching = prefix_caching  # samples > 0 reuse sample 0's pull through it
         self._load_failure_policy = load_failure_policy  # told to the proxy: it acts on it if Prefill fails
-        self.endpoint = DecodeEndpoint(config.advertised, base_port(config.kv_port, dp_rank, tp_size), tp_size)
+        # stages: the layers each pipeline stage holds, named so that Prefill sends each layer to its stage
+        self.endpoint = DecodeEndpoint(config.advertised, base_port(config.kv_port, dp_rank, tp_size), tp_size, stages)
         self.engine_id, self.tp_size = engine_id or secrets.token_hex(8), tp_size
         self.handoff_port = None if config.handoff_port is None else base_port(config.handoff_port, dp_rank, tp_size)
         self._asker = asker  # Decode's asks to Prefill ranks (vLLM's convention), made on first use

@@ -31,7 +31,7 @@ from rd2h.tensors import LayerTensors, layer_layout, record_event
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.kv_groups import check_groups, gather_blocks, layers_to_pull, pulls_groups, transfer_tokens
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
-from rd2h.vllm.parallel import pipeline_stage
+from rd2h.vllm.parallel import model_layers, pipeline_stage
 from rd2h.vllm.slots import SlotBook
 from rd2h.vllm.stats import RD2HStats, WorkerTally
 from rd2h.wire.endpoint import DecodeEndpoint
@@ -170,6 +170,7 @@ class RD2HWorker:
             if len(self.block_sizes) > 1 and _accepts(KVSource, "indexer_block_size"):
                 extra["indexer_block_size"] = self.block_sizes[1]
             extra.update(pipeline_stage())  # a pipeline stage's mf_meta says which stage it is
+            extra["model_layers"] = model_layers(layouts)  # a Decode with stages gets each layer from its stage
             self.source = staging.source(
                 KVSource, block_size=self.block_sizes[0], rank=self.rank, tp_size=self.tp_size,
                 engine=cfg.engine, engine_options=cfg.engine_options, channel=cfg.channel,

@@ -169,14 +169,16 @@ def test_connector_refuses_a_hybrid_kv_cache_config_in_sfa_mode_at_startup_in_bo
                 RD2HConnector(config, connector_role, kv)
 
 
-def test_pipeline_parallel_is_refused_at_startup(model: Path) -> None:
+def test_pipeline_parallel_with_handoff_port_is_refused_at_startup(model: Path) -> None:
+    """Served otherwise (tests/unit/test_vllm_pipeline.py); vLLM's convention's ports carry no stage."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from rd2h.vllm.connector import RD2HConnector
 
-    check_parallel(_vllm_config(model).parallel_config)  # PP 1 passes
-    config = _vllm_config(model, role="kv_consumer", hybrid=False, pipeline_parallel_size=2)
-    with pytest.raises(ConfigError, match=r"pipeline parallel on Decode yet \(pipeline_parallel_size=2\).*--pipeline-parallel-size 1"):
+    check_parallel(_vllm_config(model).parallel_config, handoff=True)  # PP 1 passes
+    config = _vllm_config(model, role="kv_producer", hybrid=False, extra={"handoff_port": 23456},
+                          pipeline_parallel_size=2)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"pipeline parallel yet \(pipeline_parallel_size=2\).*--pipeline-parallel-size 1"):
         RD2HConnector(config, KVConnectorRole.SCHEDULER, None)
 
 

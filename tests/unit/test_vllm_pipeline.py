@@ -1,7 +1,7 @@
-"""Pipeline-parallel layer arithmetic (issue 20, item 3) against vLLM's own objects: its layer
-split (``get_pp_indices``, ``VLLM_PP_LAYER_PARTITION``), its rank order (``ParallelConfig``:
-DP x PP x TP, ``ModelConfig.get_layers_start_end_indices``) and its layer names
-(``extract_layer_index``)."""
+"""Pipeline parallel (issue 20, item 3) against vLLM's own objects: its layer split
+(``get_pp_indices``, ``VLLM_PP_LAYER_PARTITION``), its rank order (``ParallelConfig``: DP x PP
+x TP, ``ModelConfig.get_layers_start_end_indices``), its layer names (``extract_layer_index``),
+and the connector built from a real ``VllmConfig`` on either side."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from vllm_kit import write_model
 
-from rd2h.errors import ConfigError, PortError
+from rd2h.errors import ConfigError
 from rd2h.layout.topology import base_port
-from rd2h.vllm.pipeline import StageSplit, layer_index, pulls, sends, stage_base_port
+from rd2h.prefill.stage_routes import stage_routes
+from rd2h.vllm.parallel import port_rank
+from rd2h.vllm.pipeline import StageSplit, layer_index
+from rd2h.wire.endpoint import DecodeEndpoint
 
 
 @pytest.fixture(scope="module")
@@ -78,44 +81,41 @@ def _splits(draw: Any) -> tuple[StageSplit, StageSplit]:
 
 
 @given(_splits())
-def test_every_layer_is_pulled_once_from_the_stage_that_computed_it(splits: tuple[StageSplit, StageSplit]) -> None:
+def test_every_layer_goes_once_from_the_stage_that_computed_it_to_the_stage_holding_it(
+    splits: tuple[StageSplit, StageSplit],
+) -> None:
+    """Any Prefill split, any Decode split of the same model: the routes of every Prefill stage
+    (rd2h.prefill.stage_routes, what the runtime sends by) deliver each layer exactly once, to
+    the Decode stage vLLM's split gives it, and each Decode stage gets its final signal with
+    the last layer it gets from that Prefill stage."""
     prefill, decode = splits
-    pulled: dict[int, int] = {}  # layer -> the Prefill stage a Decode stage pulls it from
-    for d in range(decode.pp_size):
-        got = pulls(prefill, decode, d)
-        assert sorted(i for r in got.values() for i in r) == list(decode.layers(d))  # its layers, each once
-        for p, layers in got.items():
-            assert layers, "no empty source"
-            for layer in layers:
-                assert layer not in pulled
-                pulled[layer] = p
-                assert prefill.stage_of(layer) == p and decode.stage_of(layer) == d
-    assert sorted(pulled) == list(range(prefill.num_layers))
-    # the Prefill side's view is the same table
+    endpoint = DecodeEndpoint("h", 20000, 1, decode.counts) if decode.pp_size > 1 else None
+    if endpoint is None:
+        return  # one Decode stage: every layer goes to it, as without pipeline parallel
+    got: dict[int, int] = {}  # model layer -> the Decode stage it was sent to
     for p in range(prefill.pp_size):
-        for d, layers in sends(prefill, decode, p).items():
-            assert pulls(prefill, decode, d)[p] == layers
-
-
-def test_splits_of_different_models_are_refused() -> None:
-    with pytest.raises(ConfigError, match="not the same model"):
-        pulls(StageSplit((2, 2)), StageSplit((3, 2)), 0)
+        mine = list(prefill.layers(p))  # this stage's model layers, in its announce order
+        for route in stage_routes(endpoint, 0, 1, mine):
+            stage = next(s for s in range(decode.pp_size) if route.address == endpoint.stage(s).address(0))
+            assert route.layers and route.last == max(route.layers)
+            for local in route.layers:
+                assert mine[local] not in got
+                got[mine[local]] = stage
+    assert got == {layer: decode.stage_of(layer) for layer in range(decode.num_layers)}
 
 
 def test_stage_ports_follow_vllms_rank_order_and_never_collide() -> None:
-    kv_port = 20000
+    from vllm.config import ParallelConfig
+
     seen: dict[int, tuple[int, int, int]] = {}
     for dp, pp_rank, tp_rank in itertools.product(range(3), range(4), range(2)):
-        port = stage_base_port(kv_port, dp, 2, 4, pp_rank) + tp_rank
+        parallel = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=4, data_parallel_size=3,
+                                  data_parallel_rank=dp)  # fmt: skip
+        port = base_port(20000, port_rank(parallel, pp_rank), 2) + tp_rank
         assert port not in seen, (seen[port], (dp, pp_rank, tp_rank))
         seen[port] = (dp, pp_rank, tp_rank)
-        assert port == kv_port + (dp * 4 + pp_rank) * 2 + tp_rank  # vLLM's global rank within the host
-    for dp, tp in itertools.product(range(4), range(1, 5)):
-        assert stage_base_port(kv_port, dp, tp, 1, 0) == base_port(kv_port, dp, tp)  # one stage: today's ports
-    with pytest.raises(ConfigError):
-        stage_base_port(kv_port, 0, 1, 2, 2)
-    with pytest.raises(PortError):
-        stage_base_port(65000, 100, 8, 2, 1)
+        assert port == 20000 + (dp * 4 + pp_rank) * 2 + tp_rank  # vLLM's rank order: DP x PP x TP
+    assert port_rank(ParallelConfig(data_parallel_size=4, data_parallel_rank=3)) == 3  # no PP: the DP rank
 
 
 def test_layer_index_reads_names_as_vllm_does() -> None:
@@ -148,10 +148,49 @@ def test_a_prefill_may_run_pipeline_parallel(model: Path) -> None:
     connector.shutdown()
 
 
-@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
-def test_a_decode_with_pipeline_parallel_is_refused_at_startup(model: Path, role: str) -> None:
-    with pytest.raises(ConfigError, match=r"pipeline parallel on Decode yet \(pipeline_parallel_size=2\): a Decode stage"):
-        _connector(model, role)
+def test_a_decode_with_pipeline_parallel_names_its_stages_in_its_rendezvous(model: Path) -> None:
+    """The endpoint Decode posts says how many layers each stage holds (vLLM's split), so that
+    Prefill sends each layer to its stage; stage 0's ports start at the engine's base port."""
+    from vllm.distributed.utils import get_pp_indices
+
+    connector = _connector(model, "kv_consumer")
+    try:
+        endpoint = connector.scheduler.endpoint
+        layers = sum(endpoint.stages)
+        assert [(sum(endpoint.stages[:s]), sum(endpoint.stages[: s + 1])) for s in range(2)] == [
+            get_pp_indices(layers, s, 2) for s in range(2)
+        ]
+        assert (endpoint.base_port, endpoint.tp_size) == (5600, 1)
+        assert str(endpoint).endswith("/1/" + ",".join(map(str, endpoint.stages)))
+    finally:
+        connector.shutdown()
+
+
+def test_stages_and_dp_ranks_get_ports_of_their_own(model: Path) -> None:
+    """DP rank 1 of a DP 2 x PP 2 Decode: its stage 0 after DP rank 0's two stages."""
+    from test_vllm_kv_groups import _vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from rd2h.vllm.connector import RD2HConnector
+    from rd2h.vllm.parallel import port_rank
+
+    config = _vllm_config(model, role="kv_consumer", hybrid=False, data_parallel_size=2, data_parallel_rank=1,
+                          pipeline_parallel_size=2)  # fmt: skip
+    config.parallel_config.reconfigure_for_independent_dp_rank()  # what vLLM's DP engine core does
+    assert [port_rank(config.parallel_config, s) for s in range(2)] == [2, 3]
+    connector = RD2HConnector(config, KVConnectorRole.SCHEDULER, None)
+    try:
+        assert connector.scheduler.endpoint.base_port == 5600 + 2  # kv_port + (dp * pp + stage) * tp
+        assert connector.scheduler.endpoint.stage(1).base_port == 5600 + 3
+    finally:
+        connector.shutdown()
+
+
+def test_model_layers_are_read_from_vllms_layer_names() -> None:
+    from rd2h.vllm.parallel import model_layers
+
+    assert model_layers(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]) == [0, 1]
+    assert model_layers(["model.layers.0.self_attn.attn", "lm_head.attn"]) is None  # not said: no staged Decode
 
 
 def test_a_pipeline_prefill_with_handoff_port_is_refused_at_startup(model: Path) -> None:
