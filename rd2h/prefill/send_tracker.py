@@ -265,8 +265,7 @@ class SendTracker:
             effects.sends.append((address, layer_idx, frame))
             sent = SentReadiness(layer_idx, frame, ann.slots, ann.requests, now)
             endpoint.in_flight.setdefault(layer_idx, deque()).append(sent)
-            self._slots.unanswered[ann.slots] += 1
-            self._slots.nbytes[ann.slots] += ann.main_blocks * main_bytes + ann.indexer_blocks * indexer_bytes
+            self._slots.announced(ann, main_bytes, indexer_bytes)
         if last:
             for request in step.finals:
                 if request.state is RequestState.ACTIVE:
@@ -456,9 +455,7 @@ class SendTracker:
         return effects
 
     def _answered(self, sent: SentReadiness, now: float) -> None:
-        self._slots.unanswered[sent.slots] -= 1
-        quiet = sent.slots[self._slots.draining[sent.slots] & (self._slots.unanswered[sent.slots] == 0)]
-        for slot in quiet.tolist():  # usually none: only requests that await their last replies
+        for slot in self._slots.answered(sent.slots):  # usually none: only requests that await their last replies
             self._settle(self._slots.owner[slot], now)
 
     def _decide(self, request: RequestRecord, event: RequestEvent, error: RD2HError | None, now: float) -> None:
