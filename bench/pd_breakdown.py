@@ -27,12 +27,12 @@ DEFAULT_STAGES = (
     ("rendezvous_ms", "proxy: until Decode posted its rendezvous"),
     ("prefill_ms", "Prefill: request, queue, compute, answer"),
 )
-REST = "rest of TTFT: transfer tail, Decode's first step, response path"
+REST = "rest: the TTFT median less the stages' medians"
 AFTER = "after the first token"
 ONE_ENGINE_TTFT = "one engine: to the first token"
 
 _STAGE_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
-                 "tab:cyan", "gold", "navy")
+                 "tab:cyan", "gold", "navy", "lightcoral", "darkseagreen", "orchid", "peru", "steelblue")
 _GOAL_COLOR = "tab:red"
 
 
