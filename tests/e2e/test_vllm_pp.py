@@ -45,7 +45,7 @@ def pp_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  #
         cluster.close()
 
 
-def assert_pulled_tokens_equal_one_engine(cluster: Any, decode_stages: int) -> None:
+def assert_pulled_tokens_equal_one_engine(cluster: Any, decode_stages: int, stages: str = "1,1") -> None:
     """The prompts through the proxy against the Prefill engine asked directly; Decode's
     metrics show the prompts' KV came by transfer (the tokens alone could match with nothing
     moved) and every Decode worker (stage) pulled every request."""
@@ -64,8 +64,8 @@ def assert_pulled_tokens_equal_one_engine(cluster: Any, decode_stages: int) -> N
     assert moved >= prompt_tokens - len(PROMPTS) and computed <= len(PROMPTS)
     # vLLM sums its workers' counts: each Decode stage pulled its layers of every request
     assert metric(decode, "vllm:rd2h_pulled_requests_total") - pulled == len(PROMPTS) * decode_stages
-    if decode_stages > 1:  # the rendezvous names Decode's stages: one layer each
-        assert all(c["endpoint"] == f"127.0.0.1:{cluster.kv_port}/1/1,1" for c in children), children
+    if decode_stages > 1:  # the rendezvous names Decode's stages and how many layers each holds
+        assert all(c["endpoint"] == f"127.0.0.1:{cluster.kv_port}/1/{stages}" for c in children), children
 
 
 def test_prefill_pp2_to_decode_equals_one_engine(pp_cluster: Any) -> None:
