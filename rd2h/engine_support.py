@@ -252,6 +252,12 @@ def _kinds_of(engine: object) -> MemoryKinds:
     return ask() if ask is not None else HOST_ONLY
 
 
+def _engine_name(engine: object) -> str:
+    """The engine's registered name, or its class's for an object that is no ``TransferEngine``
+    (a wrapper delegating by ``__getattr__``, a test double)."""
+    return getattr(type(engine), "name", "") or type(engine).__name__
+
+
 def check_region_kinds(engine: TransferEngine, regions: Iterable[Region], kinds: MemoryKinds | None = None) -> None:
     """Raise ``TransferError`` for a region whose memory kind ``engine`` does not move on its
     role's side: a Prefill engine registers what peers read from (``reads_from``), a Decode
@@ -261,7 +267,7 @@ def check_region_kinds(engine: TransferEngine, regions: Iterable[Region], kinds:
     so the refusal comes at registration, not as EFAULT at the first read."""
     role = getattr(engine, "role", "decode")
     allowed = (kinds or _kinds_of(engine)).for_role(role)
-    name = type(engine).name or type(engine).__name__
+    name = _engine_name(engine)
     for r in regions:
         if r.device_type not in allowed:
             raise TransferError(_refusal(name, r.kind, role, allowed, f"region {r.addr:#x}+{r.length}"))
@@ -272,7 +278,7 @@ def check_peer_kinds(engine: TransferEngine, layers: Mapping[str, LayerLayout]) 
     kind a peer's layouts declare (layer metadata, layout 4): refused at the handshake with a
     message naming the layer, the kind and the engines that can, not at the first read."""
     allowed = _kinds_of(engine).reads_from
-    name = type(engine).name or type(engine).__name__
+    name = _engine_name(engine)
     for layer, layout in layers.items():
         for what, tensor in layout.named_tensors():
             kind = check_memory_kind(tensor.kind)
