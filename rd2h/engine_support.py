@@ -246,16 +246,16 @@ def _refusal(engine: str, kind: str, role: str, kinds: frozenset[str], what: str
 
 
 def _kinds_of(engine: object) -> MemoryKinds:
-    """The engine's ``memory_kinds()``; host only for an object that does not say (a test
-    double that is no ``TransferEngine``)."""
-    ask = getattr(type(engine), "memory_kinds", None)
+    """The engine's ``memory_kinds()`` (a wrapper's inner engine's); host only for an object
+    that does not say (a test double that is no ``TransferEngine``)."""
+    ask = getattr(engine, "memory_kinds", None)
     return ask() if ask is not None else HOST_ONLY
 
 
 def _engine_name(engine: object) -> str:
-    """The engine's registered name, or its class's for an object that is no ``TransferEngine``
-    (a wrapper delegating by ``__getattr__``, a test double)."""
-    return getattr(type(engine), "name", "") or type(engine).__name__
+    """The engine's registered name (a wrapper delegating by ``__getattr__`` gives its inner
+    engine's), or the class name of an object that has none (a test double)."""
+    return getattr(engine, "name", "") or type(engine).__name__
 
 
 def check_region_kinds(engine: TransferEngine, regions: Iterable[Region], kinds: MemoryKinds | None = None) -> None:

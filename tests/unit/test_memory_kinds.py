@@ -226,10 +226,10 @@ def test_a_peer_whose_layers_live_where_decodes_engine_cannot_read_is_incompatib
     check_peer_kinds(nixl.__new__(nixl), {"l1": _layer("cuda:0", "cuda:1")})  # the class's declaration decides
 
 
-def test_an_engine_wrapper_without_a_name_is_checked_and_named_by_its_class() -> None:
-    """Decode's engine may be a wrapper delegating by ``__getattr__`` (a landing buffer, a test
-    double): the checks must not raise AttributeError out of the handshake (they did: the Sink
-    logged "unexpected error in the loop" and never replied)."""
+def test_an_engine_wrapper_is_checked_as_the_engine_it_wraps() -> None:
+    """Decode's engine may be a wrapper delegating by ``__getattr__`` (a test double): the checks
+    must not raise AttributeError out of the handshake (they did: the Sink logged "unexpected
+    error in the loop" and never replied), and they go by the inner engine's name and kinds."""
 
     class Wrapper:
         def __init__(self, inner: Any) -> None:
@@ -241,10 +241,12 @@ def test_an_engine_wrapper_without_a_name_is_checked_and_named_by_its_class() ->
     with load_engine("local", "decode") as engine:
         wrapped = Wrapper(engine)
         check_peer_kinds(wrapped, {"l0": _layer()})
-        with pytest.raises(IncompatiblePeerError, match="the Wrapper engine reads from host memory only"):
+        with pytest.raises(IncompatiblePeerError, match="the local engine reads from host memory only"):
             check_peer_kinds(wrapped, {"l1": _layer("host", "cuda:1")})
-        with pytest.raises(TransferError, match="the Wrapper engine writes to host memory only"):
+        with pytest.raises(TransferError, match="the local engine writes to host memory only"):
             check_region_kinds(wrapped, [Region(0x1000, 64, "cuda:0")])
+    nixl = engine_class("nixl")
+    check_peer_kinds(Wrapper(nixl.__new__(nixl)), {"l1": _layer("cuda:0", "cuda:1")})  # the inner engine's kinds
 
 
 def test_engines_are_asked_once_whatever_kinds_peers_name(monkeypatch: pytest.MonkeyPatch) -> None:
