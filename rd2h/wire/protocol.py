@@ -20,7 +20,6 @@ compatibility rule, and this module frames them with the other messages.
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,9 +30,11 @@ import numpy as np
 import numpy.typing as npt
 
 from rd2h.errors import LayerFailedError, RD2HError, RemoteError, RemoteProtocolError, from_wire, wire_kind
+from rd2h.wire.fields import as_block_ids as _as_block_ids
 from rd2h.wire.fields import as_str_tuple as _as_str_tuple
 from rd2h.wire.fields import check_int as _check_int
 from rd2h.wire.fields import check_str as _check_str
+from rd2h.wire.fields import int64_view as _int64_view
 from rd2h.wire.fields import kind as _kind
 from rd2h.wire.fields import unpack as _unpack
 from rd2h.wire.mf_meta import (
@@ -82,47 +83,6 @@ _READ_READY_BATCH = b"read_ready_batch"
 _READ_DONE = b"read_done"
 _READ_FAILED = b"read_failed"
 _SETTLED = b"settled"
-
-_INT_END = 2**63  # block ids end up in numpy int64 arrays
-# Index of the most significant byte of each 8-byte slot of array("Q"): see _as_block_ids.
-_TOP_BYTE = 7 if sys.byteorder == "little" else 0
-
-
-
-def _as_block_ids(value: object, field: str) -> tuple[tuple[int, ...], array]:
-    """Return the ids as a tuple of ints in 0..2**63-1, checked without a Python loop.
-
-    array("Q") rejects negative and non-integer items in C; a value of 2**63 or more is
-    the only thing it lets through, and such a value is exactly one whose top byte has its
-    high bit set, which ``bytes.isascii`` finds in one pass. Booleans are the one non-int
-    this lets through (read as 0/1): telling them apart needs a per-item type test that
-    would double the cost of decoding a readiness message.
-    """
-    if type(value) is not tuple:
-        if isinstance(value, (list, range)):
-            value = tuple(value)
-        elif isinstance(value, array) or getattr(value, "ndim", None) == 1:
-            value = tuple(value.tolist())  # numpy: Python ints, which msgpack can pack
-        else:
-            raise TypeError(f"{field}: expected a tuple, list or 1-D array of block ids, got {_kind(value)}")
-    try:
-        packed = array("Q", value)  # type: ignore[arg-type]
-    except OverflowError:
-        raise ValueError(f"{field}: block ids must lie in 0..{_INT_END - 1}") from None
-    except TypeError:
-        raise TypeError(f"{field}: block ids must be integers") from None
-    if not packed.tobytes()[_TOP_BYTE::8].isascii():
-        raise ValueError(f"{field}: block ids must lie in 0..{_INT_END - 1}")
-    return value, packed  # type: ignore[return-value]
-
-
-def _int64_view(packed: array) -> npt.NDArray[np.int64]:
-    if not len(packed):
-        return np.empty(0, dtype=np.int64)
-    view = np.frombuffer(packed, dtype=np.int64)  # every id was checked to be < 2**63
-    view.flags.writeable = False
-    return view
-
 
 def _set(obj: object, name: str, value: object) -> None:
     object.__setattr__(obj, name, value)  # normalising a field of a frozen dataclass
