@@ -74,7 +74,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_hybrid_sliding_window_groups_are_refused_in_sfa_mode_naming_the_kind_and_layers(model: Path) -> None:
-    """dense mode pulls them (tests/unit/test_vllm_hybrid.py); sfa pulls main KV and an indexer only."""
+    """dense mode pulls them (tests/unit/test_vllm_hybrid_groups.py); sfa pulls main KV and an indexer only."""
     kv = _kv_cache_config(_vllm_config(model), _specs())
     assert len(kv.kv_cache_groups) == 2  # vLLM's hybrid allocator: a block table per kind
     for mode in [Mode.SFA]:
