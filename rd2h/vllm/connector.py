@@ -169,8 +169,12 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
         parallel = vllm_config.parallel_config
         tp = int(parallel.tensor_parallel_size)
-        # pipeline parallel: refused only with handoff_port (its ports carry no stage)
-        check_parallel(parallel, consumer=consumer, handoff=self.rd2h_config.handoff_port is not None)
+        # pipeline parallel: served for one attention group in dense mode, alone (see check_parallel)
+        check_parallel(
+            parallel, consumer=consumer, handoff=self.rd2h_config.handoff_port is not None,
+            groups=len(getattr(kv_cache_config, "kv_cache_groups", None) or ()), mode=self.rd2h_config.mode.value,
+            speculative=getattr(vllm_config, "speculative_config", None) is not None,
+        )  # fmt: skip
         _check_speculative(vllm_config)  # a drafter with KV layers of its own: refused at startup
         # ports: the global DP rank (vLLM resets data_parallel_rank for dense DP) x pipeline stages
         dp_rank = port_rank(parallel)

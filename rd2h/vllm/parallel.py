@@ -6,11 +6,17 @@
   DEALERs dial Decode), so stages cannot collide; Decode completes a request once the stages'
   final signals cover every layer it holds. Refused with ``handoff_port`` (vLLM's P/D
   convention), whose ports carry no stage.
-- Pipeline parallel on a Decode is refused at startup: a Decode stage holds only its own
-  layers, and Prefill announces every layer to one Decode endpoint; routing each layer to the
-  stage that holds it is not built (:mod:`rd2h.vllm.pipeline` has the arithmetic).
+- Pipeline parallel on a Decode: each stage binds ports of its own (``kv_port + (dp_rank * pp
+  + stage) * tp + rank``, :func:`port_rank`), the rendezvous names how many layers each stage
+  holds (:func:`decode_stages`), and a Prefill rank sends each layer only to the stage holding
+  it (:mod:`rd2h.prefill.stage_routes`, the arithmetic in :mod:`rd2h.vllm.pipeline`).
+- Pipeline parallel is served for one full-attention or MLA KV cache group in ``dense`` mode,
+  alone: with several groups (the hybrid allocator's shared storage slots, which two stages
+  may split), in ``sfa`` mode or with speculative decoding it is refused at startup, as
+  docs/vllm.md's support matrix says, until a test serves it. (Under vLLM's MultiConnector a
+  child sees only its own transfer config, so composition cannot be told here: not tested.)
 - Data parallel: each DP rank is an engine of its own with its own ports
-  (``kv_port + dp_rank * tp + rank``) and its own rendezvous. vLLM resets
+  (``kv_port + dp_rank * tp + rank`` without PP) and its own rendezvous. vLLM resets
   ``data_parallel_rank`` to 0 in every rank of a dense (non-MoE) model run with DP
   (``ParallelConfig.reconfigure_for_independent_dp_rank``); only ``data_parallel_index``
   keeps the global rank, so the ports are taken from it: with ``data_parallel_rank`` every
@@ -34,9 +40,19 @@ def dp_rank_of(parallel: Any) -> int:
     return int(index or 0)
 
 
-def check_parallel(parallel: Any, *, consumer: bool = True, handoff: bool = False) -> None:
+def check_parallel(
+    parallel: Any,
+    *,
+    consumer: bool = True,
+    handoff: bool = False,
+    groups: int = 1,
+    mode: str = "dense",
+    speculative: bool = False,
+) -> None:
     """Raises ConfigError for a layout the connector would serve wrongly: pipeline parallel on a
-    Prefill with ``handoff`` (vLLM's P/D convention), whose hand-off ports carry no stage.
+    Prefill with ``handoff`` (vLLM's P/D convention), whose hand-off ports carry no stage; and
+    pipeline parallel beside what it has not been built or tested with: several KV cache
+    ``groups``, ``sfa`` ``mode``, a ``speculative`` decoding config.
 
     Pipeline parallel is otherwise served on either side (``consumer``: a Decode): a Prefill
     stage announces the layers it computed, each to the Decode stage holding it (the
@@ -49,6 +65,21 @@ def check_parallel(parallel: Any, *, consumer: bool = True, handoff: bool = Fals
             f"rd2h's handoff_port (vLLM's P/D convention) does not support pipeline parallel yet "
             f"(pipeline_parallel_size={pp}): the hand-off ports carry no stage, so the stages of one TP rank would "
             "bind the same port. Run this Prefill behind rd2h proxy (no handoff_port), or with "
+            "--pipeline-parallel-size 1; see docs/vllm.md, 'Support matrix'."
+        )
+    beside = [
+        what
+        for what, present in (
+            (f"{groups} KV cache groups (hybrid allocator: a storage slot two stages split is not handled)", groups > 1),
+            (f"mode {mode!r} (pipeline parallel is served in 'dense' mode only)", mode != "dense"),
+            ("speculative decoding (not tested with pipeline parallel)", speculative),
+        )
+        if present
+    ]
+    if pp > 1 and beside:
+        raise ConfigError(
+            f"rd2h serves pipeline parallel (pipeline_parallel_size={pp}) for one full-attention or MLA KV cache "
+            f"group in 'dense' mode alone; this engine has {'; '.join(beside)}. Run it with "
             "--pipeline-parallel-size 1; see docs/vllm.md, 'Support matrix'."
         )
 

@@ -145,7 +145,33 @@ def _connector(model: Path, role: str, extra: dict | None = None) -> Any:
 
 def test_a_prefill_may_run_pipeline_parallel(model: Path) -> None:
     connector = _connector(model, "kv_producer")
-    connector.shutdown()
+    try:  # started (no refusal), and a Prefill posts no rendezvous of its own: it names no stages
+        assert connector.rd2h_config.handoff_port is None and connector.scheduler is not None
+    finally:
+        connector.shutdown()
+
+
+def test_pipeline_parallel_beside_what_it_was_not_built_for_is_refused_at_startup(model: Path) -> None:
+    """docs/vllm.md's support matrix says refused: several KV cache groups (a storage slot two
+    stages split is not handled), sfa mode, speculative decoding. Each is a ConfigError naming it."""
+    from test_vllm_kv_groups import _kv_cache_config, _specs, _vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from rd2h.errors import ConfigError
+    from rd2h.vllm.connector import RD2HConnector
+    from rd2h.vllm.parallel import check_parallel
+
+    for role in ("kv_consumer", "kv_producer"):
+        config = _vllm_config(model, role=role, pipeline_parallel_size=2)  # the hybrid allocator on
+        with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2.*2 KV cache groups"):
+            RD2HConnector(config, KVConnectorRole.SCHEDULER, _kv_cache_config(config, _specs()))
+    parallel = _vllm_config(model, pipeline_parallel_size=2).parallel_config
+    with pytest.raises(ConfigError, match="mode 'sfa'"):
+        check_parallel(parallel, mode="sfa")
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        check_parallel(parallel, speculative=True)
+    check_parallel(parallel, groups=1)  # one group in dense mode is served
+    check_parallel(_vllm_config(model).parallel_config, groups=2, mode="sfa", speculative=True)  # no PP: not this check
 
 
 def test_a_decode_with_pipeline_parallel_names_its_stages_in_its_rendezvous(model: Path) -> None:
