@@ -5,7 +5,9 @@ proxy, a key-value store, a command line): host, base port and TP size, and, for
 run with pipeline parallel, how many model layers each of its stages holds. Its text form is
 ``host:base_port/tp_size`` with IPv6 hosts bracketed (``[::1]:5600/2``), and
 ``host:base_port/tp_size/n0,n1,...`` with stages (stage ``s`` listens from
-``base_port + s * tp_size``); ``to_bytes`` is that text in ASCII. Both parse back to an equal
+``base_port + s * tp_size``, where ``base_port`` already counts the engine's global DP rank:
+``kv_port + dp_rank * pp_size * tp_size``, see :func:`rd2h.vllm.parallel.port_rank`); ``to_bytes``
+is that text in ASCII. Both parse back to an equal
 endpoint, and anything else raises :class:`~rd2h.errors.ConfigError`.
 """
 

@@ -352,5 +352,10 @@ def test_the_connector_starts_with_the_hybrid_allocator_in_both_roles(model: Pat
 
     for role in ("kv_consumer", "kv_producer"):
         config = vllm_config(model, role)
-        connector = RD2HConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(config))
-        connector.shutdown()
+        kv = kv_cache_config(config)
+        assert len(kv.kv_cache_groups) > 1  # what used to be refused: the hybrid allocator's groups
+        connector = RD2HConnector(config, KVConnectorRole.SCHEDULER, kv)
+        try:
+            assert connector.scheduler is not None  # started: no refusal for full + sliding-window groups
+        finally:
+            connector.shutdown()
