@@ -49,12 +49,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
+from rd2h.proxy.early import all_heard, answer_targets
 from rd2h.proxy.failures import EngineError, NoInstance, PrefillFailed, RendezvousTimeout, cancel, failure, settle
 from rd2h.proxy.instances import Instance, Pool
 from rd2h.proxy.metrics import ProxyMetrics
 from rd2h.proxy.readiness import note_readiness
 from rd2h.proxy.warmup import PairTable, warm_up_pairs
-from rd2h.vllm.params import decode_fields, prefill_fields
+from rd2h.vllm.params import decode_fields, later_fields
 from rd2h.vllm.vouch import VouchError, token, verify
 
 __all__ = ["EngineError", "NoInstance", "PrefillFailed", "Proxy", "ProxyConfig", "RendezvousTimeout", "cancel"]
@@ -80,6 +81,9 @@ class ProxyConfig:
     health_interval: float = 2.0  # seconds between health checks of every instance (0: none, no warm-up)
     warmup: bool = True  # one P/D request through each pair before it is in rotation (rd2h.proxy.warmup)
     warmup_timeout: float = 120.0  # a warm-up request's bound
+    # where Prefill fetches its targets (the internal listener's /v1/rd2h/targets as engines reach it): Prefill
+    # gets the request at once, with Decode; None: only once every rendezvous is in (rd2h.proxy.early)
+    targets_url: str | None = None
 
     @property
     def warms_up(self) -> bool:
@@ -102,6 +106,7 @@ class _Pending:
     streams: list[Instance] = field(default_factory=list)  # a streamed answer is outstanding until the end
     pinned: dict[str, Instance] = field(default_factory=dict)  # role -> the only instance to use (warm-up)
     warmup: bool = False  # the proxy's own request: no client metrics
+    targets: dict[str, Any] | None = None  # Prefill's signed fields with every target, once all are in
 
     def mark(self, name: str) -> None:  # the first time it passed ``name``, ms from ``started``
         self.record.setdefault("t", {}).setdefault(name, round((time.monotonic() - self.started) * 1e3, 3))
@@ -208,31 +213,29 @@ class Proxy:
         raise AssertionError("unreachable")
 
     async def prefill(self, pending: _Pending, path: str, body: dict[str, Any]) -> None:
-        """Wait for every child's rendezvous, then send the request to Prefill once."""
-        started, timeout = time.monotonic(), self.config.rendezvous_timeout
-        # awaited directly (not wait_for over gather): the last rendezvous wakes this task in one
-        # turn of the loop, not three, each behind whatever else is ready then
+        """Send the request to Prefill once: at once, its targets to be fetched (``targets_url``),
+        or once every child's rendezvous is in, its targets in its fields. Either way every
+        rendezvous must come within ``rendezvous_timeout``."""
+        timeout = self.config.rendezvous_timeout
         late = RendezvousTimeout(f"Decode did not post a rendezvous within {timeout:g} s")
         timer = asyncio.get_running_loop().call_later(timeout, settle, pending.all_in, late)
         try:
+            if self.config.targets_url:
+                fields = later_fields(self.config.secret, pending.rid, pending.prompts, self.config.targets_url,
+                                      timeout, time.time())  # fmt: skip
+                await self._prefill_leg(pending, path, body, fields)
+            # awaited directly (not wait_for over gather): the last rendezvous wakes this task in
+            # one turn of the loop, not three, each behind whatever else is ready then
             await pending.all_in
         finally:
             timer.cancel()
-        found = [f.result() for f in pending.futures]
-        waited = time.monotonic() - started
-        pending.mark("rendezvous_all")
-        self.metrics.rendezvous.observe(waited)
-        pending.record["rendezvous_ms"] = round(waited * 1e3, 1)
-        pending.record["children"] = [
-            {k: r.get(k) for k in ("endpoint", "first_block", "num_tokens")} for r in found
-        ]
-        targets = {p: [found[p]] for p in range(pending.prompts)}
-        pending.recompute = all(r.get("on_load_failure") == "recompute" for r in found)
+        if not self.config.targets_url:
+            assert pending.targets is not None
+            await self._prefill_leg(pending, path, body, pending.targets)
+
+    async def _prefill_leg(self, pending: _Pending, path: str, body: dict[str, Any], fields: dict[str, Any]) -> None:
         leg = prefill_body(body)
-        leg["kv_transfer_params"] = {
-            "do_remote_decode": True,
-            "rd2h": prefill_fields(self.config.secret, pending.rid, pending.prompts, 1, targets, time.time()),
-        }
+        leg["kv_transfer_params"] = {"do_remote_decode": True, "rd2h": fields}
         sent = time.monotonic()
         try:
             response = await self._send(self.prefill_pool, path, leg, stream=False, pending=pending)
@@ -414,6 +417,9 @@ class Proxy:
 
     def finish(self, pending: _Pending, status: int, error: str = "", *, kind: str = "") -> None:
         self.pending.pop(pending.rid, None)  # a late rendezvous now gets 404
+        if not pending.all_in.done():  # a Prefill waiting for targets hears that none come
+            settle(pending.all_in, EngineError(f"the request ended ({status}) before every rendezvous was in"))
+            pending.all_in.exception()  # retrieved: nobody else may await it
         for instance in pending.streams:
             instance.outstanding -= 1
         pending.streams.clear()
@@ -450,9 +456,13 @@ class Proxy:
         if not future.done():
             future.set_result(fields)
             pending.heard += 1
-            if pending.heard == pending.prompts:
-                settle(pending.all_in, None)
+            if pending.heard == pending.prompts and not pending.all_in.done():
+                all_heard(self, pending)
         return JSONResponse({"ok": True})
+
+    async def targets(self, body: dict[str, Any]) -> Response:
+        """A Prefill's ask for a request's targets (:func:`rd2h.proxy.early.answer_targets`)."""
+        return await answer_targets(self, body)
 
     def may_read_requests(self, request: Request) -> bool:
         """The request list names in-flight ids: only for holders of the operator token."""

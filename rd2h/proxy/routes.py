@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from rd2h.proxy.app import RENDEZVOUS_PATH, Proxy, ProxyConfig
 from rd2h.proxy.bodies import Refused, parse_body, read_limited
+from rd2h.proxy.early import TARGETS_PATH
 from rd2h.proxy.metrics import CONTENT_TYPE
 from rd2h.proxy.readiness import health_body
 
@@ -59,6 +60,14 @@ def create_apps(config: ProxyConfig) -> tuple[FastAPI, FastAPI]:
         except Refused as exc:
             return JSONResponse({"error": str(exc)}, status_code=exc.status)
         return proxy.rendezvous(body)
+
+    @internal.post(TARGETS_PATH)
+    async def targets(request: Request) -> Response:
+        try:
+            body = parse_body(await read_limited(request, 64 << 10))
+        except Refused as exc:
+            return JSONResponse({"error": str(exc)}, status_code=exc.status)
+        return await proxy.targets(body)
 
     @internal.get("/v1/rd2h/requests")
     async def requests(request: Request) -> Response:

@@ -50,6 +50,7 @@ class SendSpec:
     blocks: Groups
     num_tokens: int
     first_block: int
+    written: int = 0  # prompt tokens whose KV was written before the targets came: announced at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ class StepMetadata(KVConnectorMetadata):
     send_abort: tuple[str, ...] = ()  # ext ids preempted mid-send: stop, never report them
     idle: bool = False  # the step computes nothing: it only waits for transfers to end
     hold: tuple[HoldSpec, ...] = ()  # finished requests held for a Decode to ask for
+    release: tuple[str, ...] = ()  # req ids held for targets that never came: their blocks are free
 
     @property
     def sends(self) -> bool:

@@ -15,6 +15,15 @@ The proxy signs both legs (:mod:`rd2h.vllm.vouch`)::
               "targets": {"<prompt>": [{"endpoint": "host:port/tp", "first_block": k}]},
               "exp": ..., "sig": ...}
 
+Prefill may also be asked at once, before any rendezvous (the proxy sends both legs together):
+its fields then name no targets but where to fetch them, and for how long they may be waited for::
+
+    Prefill: {"leg": "prefill", "id": "<hex>", "prompts": P, "samples": 1,
+              "targets_from": "http://proxy/v1/rd2h/targets", "wait": 60.0, "exp": ..., "sig": ...}
+
+Its connector asks that URL (a body signed with the secret, :func:`targets_ask`) and accepts the
+answer only as Prefill fields with targets signed by the proxy, for the same id (:func:`accept_late`).
+
 ``targets[p][s]`` is the Decode request of prompt ``p``, sample ``s`` that pulls (the proxy
 names sample 0 only): the endpoint and first block its rendezvous said. The format allows
 several, for a Decode that would pull each sample. Every parse error is a ValueError naming what is wrong; the caller
@@ -34,9 +43,11 @@ from rd2h.wire.endpoint import DecodeEndpoint
 __all__ = [
     "PARAMS_KEY", "MAX_CHILDREN", "Target", "ext_id", "prompt_index", "sample_index",
     "decode_fields", "prefill_fields", "accept_decode", "accept_prefill",
+    "Later", "later_fields", "accept_later", "targets_ask", "accept_targets_ask", "accept_late", "MAX_WAIT",
 ]  # fmt: skip
 
 PARAMS_KEY = "rd2h"
+MAX_WAIT = 600.0  # seconds a Prefill keeps blocks for targets that do not come, at most
 MAX_CHILDREN = 4096  # prompts x samples of one client request; far above any real one
 _ID = re.compile(r"[0-9a-f]{16,64}")
 _SAMPLE = re.compile(r"(\d+)_")
@@ -49,6 +60,16 @@ class Target:
     ext_id: str
     endpoint: DecodeEndpoint
     first_block: int
+
+
+@dataclass(frozen=True, slots=True)
+class Later:
+    """Prefill asked before any rendezvous: where its targets come from, and the most it waits."""
+
+    rid: str
+    prompt: int
+    url: str
+    wait: float
 
 
 def ext_id(rid: str, prompt: int, sample: int) -> str:
@@ -153,3 +174,51 @@ def accept_prefill(secret: bytes, raw: object, req_id: str, now: float) -> list[
             raise ValueError(f"target {prompt}/{sample}: {exc}") from None
         accepted.append(Target(ext_id(rid, prompt, sample), endpoint, first_block))
     return accepted
+
+
+# -- targets learnt after Prefill started --------------------------------------------------------
+
+
+def later_fields(secret: bytes, rid: str, prompts: int, url: str, wait: float, now: float) -> dict[str, Any]:
+    """The proxy: Prefill's fields that name no targets yet, but where to fetch them (signed)."""
+    fields = {"leg": "prefill", "id": rid, "prompts": prompts, "samples": 1, "targets_from": url, "wait": float(wait)}
+    return sign(secret, fields, now)
+
+
+def accept_later(secret: bytes, raw: object, req_id: str, now: float) -> Later | None:
+    """Prefill: the :class:`Later` of fields that name no targets (None for fields with
+    targets: :func:`accept_prefill` takes those); ValueError when they are not vouched for."""
+    if not (isinstance(raw, Mapping) and "targets_from" in raw and "targets" not in raw):
+        return None
+    fields, rid, prompts, _ = _checked(secret, raw, now, "prefill")
+    url, wait = fields.get("targets_from"), fields.get("wait")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"'targets_from' must be an http(s) URL, got {url!r}")
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= MAX_WAIT:
+        raise ValueError(f"'wait' must be seconds in (0, {MAX_WAIT:g}], got {wait!r}")
+    return Later(rid, prompt_index(req_id, prompts), url, float(wait))
+
+
+def targets_ask(secret: bytes, rid: str, now: float) -> dict[str, Any]:
+    """Prefill's ask for the targets of request ``rid`` (signed: only engines may ask)."""
+    return sign(secret, {"want": "targets", "id": rid}, now)
+
+
+def accept_targets_ask(secret: bytes, raw: object, now: float) -> str:
+    """The proxy: the request id a signed ask names; ValueError otherwise."""
+    try:
+        fields = verify(secret, raw, now)
+    except VouchError as exc:
+        raise ValueError(str(exc)) from None
+    rid = fields.get("id")
+    if fields.get("want") != "targets" or not isinstance(rid, str) or not _ID.fullmatch(rid):
+        raise ValueError("not an ask for targets")
+    return rid
+
+
+def accept_late(secret: bytes, later: Later, raw: object, req_id: str, now: float) -> list[Target]:
+    """Prefill: the targets the proxy answered for ``later``: Prefill fields with targets, signed
+    by the proxy, for the same request id (a signed answer for another request is refused)."""
+    if not isinstance(raw, Mapping) or raw.get("id") != later.rid:
+        raise ValueError(f"the answer is not for request {later.rid}")
+    return accept_prefill(secret, raw, req_id, now)

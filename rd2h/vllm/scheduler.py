@@ -48,6 +48,8 @@ from rd2h.layout.topology import base_port
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.handoff import HANDOFF_LEG, Handoff, accept_handoff, ask_fields, ask_urls, handoff_params
 from rd2h.vllm.kv_groups import transfer_tokens
+from rd2h.vllm.late_sends import LateSends, Send
+from rd2h.vllm.later import TargetAsker
 from rd2h.vllm.metadata import (
     WORKER_REPORTS,
     Groups,
@@ -59,7 +61,7 @@ from rd2h.vllm.metadata import (
     StepMetadata,
     WorkerReport,
 )
-from rd2h.vllm.params import PARAMS_KEY, Target, accept_decode, accept_prefill
+from rd2h.vllm.params import PARAMS_KEY, accept_decode
 from rd2h.vllm.rendezvous import RendezvousPoster
 from rd2h.vllm.vouch import sign
 from rd2h.wire.endpoint import DecodeEndpoint
@@ -91,16 +93,7 @@ class _Recv:
     handoff: Handoff | None = None  # vLLM's convention: ask these Prefill ranks, post nothing
 
 
-@dataclass
-class _Send:
-    targets: list[Target]  # one per Decode request (sample) this request's blocks serve
-    num_tokens: int
-    started: bool = False  # its first blocks went to the workers
-    done: bool = False  # every prompt token was scheduled
-    pending: list[list[int]] | None = None  # several groups: its blocks so far
-
-
-class RD2HScheduler:
+class RD2HScheduler(LateSends):
     """Scheduler-side state of one engine. ``block_sizes``: tokens per block of each KV
     cache group; ``world_size``: workers that must know a destination before it is posted."""
 
@@ -149,13 +142,15 @@ class RD2HScheduler:
         self._landed: set[str] = set()  # claimed ext ids whose pull ended (their samples may go)
         self._recv_new: list[RecvSpec] = []
         self._recv_abort: list[str] = []
-        self._send: dict[str, _Send] = {}  # req id -> being sent
+        self._send: dict[str, Send] = {}  # req id -> being sent
         self._sending: dict[str, str] = {}  # ext id -> the req id sending it (Prefill)
         self._send_finish: list[SendFinish] = []
+        self._targets: TargetAsker | None = None  # asks for targets learnt after Prefill started
+        self._release: list[str] = []  # req ids held for targets that never came: free their blocks
         self.stats = {
             "pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0, "refused_params": 0,
             "samples_from_prefix_cache": 0, "samples_computed_here": 0,
-            "held": 0, "no_handoff": 0, "handoffs": 0, "handoff_failed": 0,
+            "held": 0, "no_handoff": 0, "handoffs": 0, "handoff_failed": 0, "late_targets": 0, "targets_failed": 0,
         }  # fmt: skip
 
     # -- Decode --------------------------------------------------------------------------
@@ -333,27 +328,12 @@ class RD2HScheduler:
 
     # -- Prefill -------------------------------------------------------------------------
 
-    def _track_send(self, request: Any, params: Mapping[str, Any]) -> None:
-        req_id = request.request_id
-        if req_id in self._send:
-            return
-        try:
-            targets = accept_prefill(self._secret, params.get(PARAMS_KEY), req_id, self._clock())
-        except ValueError as exc:  # computed as asked, nothing sent
-            self._refuse(req_id, str(exc))
-            return
-        taken = [t.ext_id for t in targets if t.ext_id in self._sending]
-        if taken:
-            self._refuse(req_id, f"id {taken[0]} is already sent by live request {self._sending[taken[0]]}")
-            return
-        self._send[req_id] = _Send(targets, len(request.prompt_token_ids))
-        self._sending.update((t.ext_id, req_id) for t in targets)
-
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
         self._handoff_results()  # a failed hand-off's abort goes out with this step
         send_new: list[SendSpec] = []
         send_blocks: list[SendBlocks] = []
         computed: list[tuple[str, int]] = []
+        self._take_targets(send_new, not scheduler_output.total_num_scheduled_tokens)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             send = self._send.get(new.req_id)
@@ -361,9 +341,9 @@ class RD2HScheduler:
                 continue
             groups = _groups(new.block_ids)
             tokens = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-            if self._whole:  # several groups: gathered, sent whole with its last tokens
+            if self._whole or not send.targets:  # several groups, or targets to come: gathered
                 send.pending = [list(g) for g in groups]
-                self._send_whole(new.req_id, send, tokens, send_new, computed)
+                self._gathered(new.req_id, send, tokens, send_new, computed)
                 continue
             send.started = True
             send_new += [
@@ -385,6 +365,8 @@ class RD2HScheduler:
                 del self._send[req_id]
                 for target in send.targets:
                     self._sending.pop(target.ext_id, None)
+                if self._targets is not None:
+                    self._targets.cancel(req_id)
                 send_abort += [t.ext_id for t in send.targets if send.started]  # a whole one: if sent
                 continue
             new_ids = cached.new_block_ids[i]
@@ -392,7 +374,7 @@ class RD2HScheduler:
                 for group, more in zip(send.pending, _groups(new_ids or ())):
                     group.extend(more)
                 tokens = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-                self._send_whole(req_id, send, tokens, send_new, computed)
+                self._gathered(req_id, send, tokens, send_new, computed)
                 continue
             if new_ids is not None and any(new_ids):
                 send_blocks += [SendBlocks(t.ext_id, _groups(new_ids)) for t in send.targets]
@@ -405,13 +387,17 @@ class RD2HScheduler:
             recv=tuple(self._recv_new), recv_abort=tuple(self._recv_abort), send_new=tuple(send_new),
             send_blocks=tuple(send_blocks), computed=tuple(computed), send_finish=tuple(self._send_finish),
             send_abort=tuple(send_abort), idle=not scheduler_output.total_num_scheduled_tokens,
-            hold=tuple(self._hold_new),
+            hold=tuple(self._hold_new), release=tuple(self._release),
         )
-        self._recv_new, self._recv_abort, self._send_finish, self._hold_new = [], [], [], []
+        self._recv_new, self._recv_abort, self._send_finish, self._hold_new, self._release = [], [], [], [], []
         return meta
 
-    def _send_whole(self, req_id: str, send: _Send, tokens: int, send_new: list, computed: list) -> None:
-        """Several groups: to the workers whole, in the step after which its prompt is computed."""
+    def _gathered(self, req_id: str, send: Send, tokens: int, send_new: list, computed: list) -> None:
+        """Several groups: to the workers whole, in the step after which its prompt is computed.
+        Targets to come: its KV is written up to ``tokens`` after this step."""
+        if not send.targets:
+            send.written = min(tokens, send.num_tokens)
+            return
         if tokens < send.num_tokens:
             return
         groups, send.started, send.pending = tuple(tuple(g) for g in send.pending), True, None
@@ -420,7 +406,7 @@ class RD2HScheduler:
         computed += self._computed(send, tokens)
 
     @staticmethod
-    def _computed(send: _Send, tokens: int) -> list[tuple[str, int]]:
+    def _computed(send: Send, tokens: int) -> list[tuple[str, int]]:
         tokens = min(tokens, send.num_tokens)
         send.done = tokens >= send.num_tokens
         return [(t.ext_id, tokens) for t in send.targets]
@@ -452,6 +438,8 @@ class RD2HScheduler:
         send = self._send.pop(req_id, None)
         if send is None:
             return False, None
+        if send.later is not None and not send.targets:  # vLLM finished it before its targets came
+            return self._finished_early(request, send)
         for target in send.targets:
             self._sending.pop(target.ext_id, None)
         if not send.started:  # never reached a worker: nothing reads its blocks
@@ -496,6 +484,8 @@ class RD2HScheduler:
             self._poster.close()
         if self._asker is not None:
             self._asker.close()
+        if self._targets is not None:
+            self._targets.close()
 
 
 def _params(request: Any) -> Mapping[str, Any]:

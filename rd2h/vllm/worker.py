@@ -234,6 +234,7 @@ class RD2HWorker:
         if self.source is not None:
             self._apply_send(meta)
         self._apply_holds(meta)
+        self._finished_sending.update(meta.release)  # held for targets that never came: nothing reads them
 
     def _apply_holds(self, meta: StepMetadata) -> None:
         """vLLM's convention: finished requests whose blocks wait for a Decode's ask."""
@@ -337,6 +338,10 @@ class RD2HWorker:
                 )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - this request's problem, never the engine's
                 self._send_refused(spec.ext_id, spec.req_id, exc)
+        # targets that came after the KV was (partly) written: the layers written so far go at once
+        late = {s.ext_id: self._tokens(s.ext_id, s.written) for s in meta.send_new if s.written and s.ext_id not in self._sent}
+        for ext_id, error in (self.source.send_all(late) if late else {}).items():
+            log.error("Prefill rank %d: %s not announced: %s", self.rank, ext_id, error)
         for more in meta.send_blocks:
             if more.ext_id in self._sent:
                 continue  # refused or already ended: nothing more to announce

@@ -4,6 +4,7 @@ metaserver Decode posts its rendezvous to (``docs/vllm.md``). Needs ``rd2h[proxy
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from typing import Any
 
@@ -37,6 +38,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--rendezvous-port", type=int, default=None,
         help="port of the internal listener; the Decode engines' 'metaserver' is "
         "http://HOST:PORT/v1/rd2h/rendezvous (default: --port + 1)",
+    )
+    parser.add_argument(
+        "--internal-url", default=None, metavar="URL",
+        help="the internal listener's base URL as the engines reach it; a Prefill engine, sent each request at "
+        "the same time as a Decode engine, fetches where the KV goes from URL/v1/rd2h/targets (default: "
+        "http://RENDEZVOUS_HOST:RENDEZVOUS_PORT, a wildcard host replaced by this host's name)",
     )
     parser.add_argument(
         "--prefill", action="append", required=True, metavar="URL",
@@ -131,6 +138,13 @@ def run(args: argparse.Namespace) -> int:
     rendezvous_port = args.port + 1 if args.rendezvous_port is None else args.rendezvous_port
     if (args.rendezvous_host, rendezvous_port) == (args.host, args.port):
         raise ConfigError("the rendezvous listener needs its own port (--rendezvous-port)")
+    internal_host = args.rendezvous_host
+    if internal_host in ("0.0.0.0", "::", ""):
+        import socket
+
+        internal_host = socket.getfqdn()
+    internal_url = (args.internal_url or f"http://{internal_host}:{rendezvous_port}").rstrip("/")
+    config = dataclasses.replace(config, targets_url=internal_url + "/v1/rd2h/targets")
     listen = Listen(
         host=args.host, port=args.port, rendezvous_host=args.rendezvous_host, rendezvous_port=rendezvous_port,
         header_timeout=args.header_timeout, max_connections=args.max_connections, drain_timeout=args.drain_timeout,

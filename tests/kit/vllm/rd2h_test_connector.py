@@ -46,6 +46,7 @@ class HookedWorker(RD2HWorker):
 
     def register(self, kv_caches: Mapping[str, Any], num_blocks: Mapping[str, int]) -> None:
         super().register(kv_caches, num_blocks)
+        self._hold_on_the_source()
         if self.sink is not None and self.fail_reads:
             def fail(*_: Any) -> None:
                 raise TransferError("test hook: the read failed")
@@ -74,11 +75,18 @@ class HookedWorker(RD2HWorker):
             self._hold()
         super()._apply_send(meta)
 
-    def save_layer(self, layer_name: str, kv_layer: Any) -> None:
-        if (self.hold_layer is not None and self._sends and layer_name in self._tensors
-                and list(self._tensors).index(layer_name) == self.hold_layer):
-            self._hold()
-        super().save_layer(layer_name, kv_layer)
+    def _hold_on_the_source(self) -> None:
+        if self.source is not None and self.hold_layer is not None:
+            # on the source: as a step computes (save_layer) and when targets that came late
+            # announce the layers written before them at once (send_all)
+            ready = self.source.layer_ready
+
+            def hold_then_ready(layer_name: str, event: Any = None) -> None:
+                if layer_name in self._tensors and list(self._tensors).index(layer_name) == self.hold_layer:
+                    self._hold()
+                ready(layer_name, event)
+
+            self.source.layer_ready = hold_then_ready
 
     def _corrupt(self, first_block: int, blocks: tuple[int, ...]) -> None:
         import torch

@@ -1,0 +1,69 @@
+"""Prefill started before Decode's rendezvous: the proxy's half.
+
+With ``ProxyConfig.targets_url`` the proxy sends a request to Prefill at the same time as to
+Decode: Prefill computes while Decode admits its request, and its signed fields name no
+targets, only where to fetch them (:func:`rd2h.vllm.params.later_fields`). Prefill's connector
+asks that URL with a body signed with the shared secret; the answer waits until every Decode
+rendezvous of the request is in and is then Prefill's fields with every target, signed by the
+proxy, as the sequential flow puts in Prefill's request body. Only the proxy steers where
+bytes go: an ask that is not signed is refused (403), one for an id the proxy does not wait
+for gets 404, and one for a request that ended or whose rendezvous never came gets 410 (Prefill
+then frees the blocks it held for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse, Response
+
+from rd2h.proxy.failures import settle
+from rd2h.vllm.params import accept_targets_ask, prefill_fields
+
+if TYPE_CHECKING:
+    from rd2h.proxy.app import Proxy, _Pending
+
+__all__ = ["TARGETS_PATH", "all_heard", "answer_targets"]
+
+log = logging.getLogger("rd2h.proxy")
+
+TARGETS_PATH = "/v1/rd2h/targets"
+
+
+def all_heard(proxy: Proxy, pending: _Pending) -> None:
+    """Every child's rendezvous is in: Prefill's targets are signed, its leg (or its ask) may go."""
+    found = [f.result() for f in pending.futures]
+    waited = time.monotonic() - pending.started
+    pending.mark("rendezvous_all")
+    proxy.metrics.rendezvous.observe(waited)
+    pending.record["rendezvous_ms"] = round(waited * 1e3, 1)
+    pending.record["children"] = [{k: r.get(k) for k in ("endpoint", "first_block", "num_tokens")} for r in found]
+    pending.recompute = all(r.get("on_load_failure") == "recompute" for r in found)
+    targets = {p: [found[p]] for p in range(pending.prompts)}
+    pending.targets = prefill_fields(proxy.config.secret, pending.rid, pending.prompts, 1, targets, time.time())
+    settle(pending.all_in, None)
+
+
+async def answer_targets(proxy: Proxy, body: Any) -> Response:
+    """A Prefill's signed ask for a request's targets: answered once every rendezvous is in."""
+    try:
+        rid = accept_targets_ask(proxy.config.secret, body, time.time())
+    except ValueError as exc:
+        log.warning("refused an ask for targets: %s", exc)
+        proxy.metrics.errors.labels("targets_refused").inc()
+        return JSONResponse({"error": f"ask refused: {exc}"}, status_code=403)
+    pending = proxy.pending.get(rid)
+    if pending is None:
+        return JSONResponse({"error": "no request waits for targets under this id"}, status_code=404)
+    pending.mark("targets_asked")
+    try:
+        await asyncio.shield(pending.all_in)  # Prefill hanging up must not settle the request
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the rendezvous timed out, or the request ended
+        return JSONResponse({"error": f"no targets: {exc}"}, status_code=410)
+    pending.mark("targets_sent")
+    return JSONResponse(pending.targets)
