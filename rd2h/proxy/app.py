@@ -55,7 +55,7 @@ from rd2h.proxy.instances import Instance, Pool
 from rd2h.proxy.metrics import ProxyMetrics
 from rd2h.proxy.readiness import note_readiness
 from rd2h.proxy.warmup import PairTable, warm_up_pairs
-from rd2h.vllm.params import decode_fields, later_fields
+from rd2h.vllm.params import MAX_WAIT, decode_fields, later_fields
 from rd2h.vllm.vouch import VouchError, token, verify
 
 __all__ = ["EngineError", "NoInstance", "PrefillFailed", "Proxy", "ProxyConfig", "RendezvousTimeout", "cancel"]
@@ -222,7 +222,7 @@ class Proxy:
         try:
             if self.config.targets_url:
                 fields = later_fields(self.config.secret, pending.rid, pending.prompts, self.config.targets_url,
-                                      timeout, time.time())  # fmt: skip
+                                      min(timeout, MAX_WAIT), time.time())  # fmt: skip
                 await self._prefill_leg(pending, path, body, fields)
             # awaited directly (not wait_for over gather): the last rendezvous wakes this task in
             # one turn of the loop, not three, each behind whatever else is ready then

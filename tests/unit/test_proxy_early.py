@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 import httpx
-from test_proxy import SECRET, Engines, run
+from test_proxy import OPERATOR, SECRET, Engines, run
 
-from rd2h.vllm.params import accept_late, accept_later, targets_ask
+from rd2h.vllm.params import MAX_WAIT, accept_late, accept_later, targets_ask
 
 TARGETS = "/v1/rd2h/targets"
 URL = "http://proxy/internal/v1/rd2h/targets"
@@ -34,6 +34,18 @@ def test_prefill_is_sent_at_once_and_a_signed_ask_gets_its_targets_once_decode_p
         request.cancel()
 
     run(scenario, targets_url=URL)
+
+
+def test_a_rendezvous_timeout_past_what_prefill_accepts_is_signed_as_its_most() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        engines.decode_hangs = True
+        request = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "a"}))
+        await asyncio.wait_for(engines.prefilled.wait(), 5)
+        later = accept_later(SECRET, engines.prefill_bodies[0]["kv_transfer_params"]["rd2h"], "x", time.time())
+        assert later is not None and later.wait == MAX_WAIT  # refused by Prefill above it
+        request.cancel()
+
+    run(scenario, targets_url=URL, rendezvous_timeout=3600)
 
 
 def test_a_rendezvous_that_never_comes_fails_the_request_and_tells_prefill_no_targets_come() -> None:
@@ -71,5 +83,3 @@ def test_an_ask_not_signed_with_the_secret_is_refused() -> None:
 
     run(scenario, targets_url=URL)
 
-
-OPERATOR = __import__("test_proxy").OPERATOR
