@@ -40,9 +40,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "http://HOST:PORT/v1/rd2h/rendezvous (default: --port + 1)",
     )
     parser.add_argument(
+        "--prefill-at-once", action="store_true",
+        help="experimental: send each request to Prefill at the same time as to Decode; Prefill fetches where "
+        "the KV goes from the internal listener (--internal-url) once every rendezvous is in (default: Prefill "
+        "gets the request once every rendezvous is in)",
+    )
+    parser.add_argument(
         "--internal-url", default=None, metavar="URL",
-        help="the internal listener's base URL as the engines reach it; a Prefill engine, sent each request at "
-        "the same time as a Decode engine, fetches where the KV goes from URL/v1/rd2h/targets (default: "
+        help="with --prefill-at-once: the internal listener's base URL as the engines reach it (default: "
         "http://RENDEZVOUS_HOST:RENDEZVOUS_PORT, a wildcard host replaced by this host's name)",
     )
     parser.add_argument(
@@ -144,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
         internal_host = socket.getfqdn()
     internal_url = (args.internal_url or f"http://{internal_host}:{rendezvous_port}").rstrip("/")
-    config = dataclasses.replace(config, targets_url=internal_url + "/v1/rd2h/targets")
+    if args.prefill_at_once:
+        config = dataclasses.replace(config, targets_url=internal_url + "/v1/rd2h/targets")
     listen = Listen(
         host=args.host, port=args.port, rendezvous_host=args.rendezvous_host, rendezvous_port=rendezvous_port,
         header_timeout=args.header_timeout, max_connections=args.max_connections, drain_timeout=args.drain_timeout,
