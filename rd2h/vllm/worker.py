@@ -30,6 +30,7 @@ from rd2h.staging.choice import WorkerStaging
 from rd2h.tensors import LayerTensors, layer_layout, record_event
 from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.kv_groups import check_groups, gather_blocks, layers_to_pull, pulls_groups, transfer_tokens
+from rd2h.vllm.layer_caches import block_first, split_layers
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
 from rd2h.vllm.parallel import model_layers, pipeline_stage
 from rd2h.vllm.slots import SlotBook
@@ -41,51 +42,6 @@ __all__ = ["RD2HWorker", "split_layers"]
 log = logging.getLogger("rd2h.vllm.worker")
 
 IDLE_WAIT_SECONDS = 0.01  # the longest an idle step waits for a transfer to end (see _wait_when_idle)
-_INDEXER_SUFFIX = ".indexer.k_cache"
-
-
-def _block_first(tensor: Any, num_blocks: int) -> list[Any]:
-    """The main tensors of one layer cache, each indexed by block on dimension 0:
-    CPU/MLA caches are block-first already; a ``[2, num_blocks, ...]`` K/V pair is split."""
-    shape = tuple(tensor.shape)
-    if shape[0] == num_blocks:
-        return [tensor]
-    if len(shape) > 1 and shape[0] == 2 and shape[1] == num_blocks:
-        return [tensor[0], tensor[1]]
-    raise ConfigError(f"cannot find the block dimension ({num_blocks} blocks) of a KV cache of shape {shape}")
-
-
-def split_layers(
-    kv_caches: Mapping[str, Any], num_blocks: Mapping[str, int], mode: Mode
-) -> dict[str, LayerTensors]:
-    """rd2h layers from vLLM's ``{layer name: cache tensor}``.
-
-    A layer whose cache is another layer's storage (vLLM shares caches between layers,
-    e.g. cross-layer KV sharing) is skipped: its bytes move with the owner. In ``sfa``
-    mode an indexer cache becomes the indexer of the attention layer it belongs to.
-    Raises ConfigError for a cache whose block dimension cannot be found, or (sfa) an
-    indexer with no attention layer.
-    """
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    main: dict[str, list[Any]] = {}
-    indexers: dict[str, Any] = {}
-    for name, tensor in kv_caches.items():
-        key = (int(tensor.data_ptr()), tuple(tensor.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        tensors = _block_first(tensor, num_blocks[name])
-        if mode is Mode.SFA and name.endswith(_INDEXER_SUFFIX):
-            indexers[name[: -len(_INDEXER_SUFFIX)]] = tensors[0]
-        else:
-            main[name] = tensors
-    layers: dict[str, LayerTensors] = {}
-    for name, tensors in main.items():
-        owner = next((prefix for prefix in indexers if name.startswith(prefix + ".")), None)
-        layers[name] = LayerTensors(main=tensors, indexer=indexers.pop(owner) if owner else None)
-    if indexers:
-        raise ConfigError(f"indexer caches without an attention layer: {sorted(indexers)}")
-    return layers
 
 
 def _accepts(cls: type, name: str) -> bool:
@@ -147,7 +103,7 @@ class RD2HWorker:
         pulled = layers_to_pull(self.kv_groups, kv_caches, self.config.mode)  # raises for a stray layer
         if self._groups:
             self._slots = SlotBook({n: kv_caches[n] for n in pulled}, num_blocks, self._groups)
-            self._tensors = {s: LayerTensors(main=_block_first(kv_caches[s], num_blocks[s])) for s in self._slots.members}
+            self._tensors = {s: LayerTensors(main=block_first(kv_caches[s], num_blocks[s])) for s in self._slots.members}
         else:
             self._tensors = split_layers({n: kv_caches[n] for n in pulled}, num_blocks, self.config.mode)
         layouts = {
