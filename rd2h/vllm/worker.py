@@ -356,8 +356,11 @@ class RD2HWorker:
         return blocks[1] if self.config.mode is Mode.SFA and len(blocks) > 1 else None
 
     def save_layer(self, layer_name: str, kv_layer: Any) -> None:
-        """Prefill: the layer is written for this step; announce it. Never waits on Decode
-        (no slot is reused) and never raises into vLLM's forward: a layer that cannot be
+        """Prefill: the layer is written for this step; announce it. Waits on Decode only when
+        the KV is staged through a host mirror (device KV the engine cannot read,
+        :mod:`rd2h.staging`): a mirror slot is refilled once Decode replied to the layer it
+        held, bounded by the reply timeout; otherwise no slot is reused and nothing waits. Never
+        raises into vLLM's forward: a layer that cannot be
         announced is logged, and Decode fails the requests that miss it (a final signal that
         does not cover every layer is refused)."""
         if not self._sends:
