@@ -414,20 +414,15 @@ def test_prefill_killed_mid_transfer(cluster: Any, baseline: list[list[int]], tm
     thread.join(90)
     assert not thread.is_alive(), "the client got no answer within 90 s of the kill"
     health = httpx.get(cluster.url("proxy") + "/health", timeout=5).json()
-    # Prefill starts at once: it usually computed the prompt and answered its leg before the
-    # rendezvous, so the kill is seen by Decode's pull, where vLLM's policy acts (fail: Decode's
-    # error, relayed; recompute: Decode computes the prompt). Where the targets came before its
-    # step, its leg is still open at the kill and the proxy acts (502; a Decode computing it).
     if policy == "fail":
-        assert result["status"] in (500, 502), result["body"]
-        assert result["status"] == 500 or "rd2h_proxy_error" in result["body"], result["body"]
+        assert result["status"] == 502 and "rd2h_proxy_error" in result["body"], result["body"]
         assert time.monotonic() - killed < 30
         assert health["recomputed"] == recomputed_before
     else:
         assert result["status"] == 200, result["body"]
         assert _tokens(result["response"]) == [baseline[2]]
-        by_proxy = health["recomputed"] - recomputed_before
-        assert by_proxy in (0, 1) and (by_proxy == 1) == ("recomputed" in last_record(cluster))
+        assert health["recomputed"] == recomputed_before + 1
+        assert "recomputed" in last_record(cluster)
     assert health["pending"] == 0
     # Decode dropped that pull (its blocks freed) and keeps serving
     assert complete(cluster.url("decode"), PROMPTS[:1], max_tokens=4)[0]
