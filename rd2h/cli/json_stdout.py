@@ -21,7 +21,17 @@ __all__ = ["reserve_stdout_for_json", "write_json"]
 
 
 def reserve_stdout_for_json() -> TextIO:
-    """Point descriptor 1 (and ``sys.stdout``) at stderr; return a stream on the original stdout."""
+    """Point descriptor 1 (and ``sys.stdout``) at stderr; return a stream on the original stdout.
+
+    A caller that runs the command in its own process with ``sys.stdout`` replaced by a stream
+    that is not descriptor 1 (a test capturing it, a program collecting the JSON) gets that
+    stream back, and no descriptor is touched: descriptor 1 is then not where the JSON goes."""
+    try:
+        on_descriptor_1 = sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        on_descriptor_1 = False
+    if not on_descriptor_1:
+        return sys.stdout
     sys.stdout.flush()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).fflush(None)  # C stdio buffers written so far belong to the old target

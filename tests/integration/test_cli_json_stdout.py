@@ -55,3 +55,19 @@ def test_stdout_holds_the_json_alone_and_native_output_goes_to_stderr(command: l
     assert "[native] bind ipv4 tcp port failed" in done.stderr  # the noise was not lost, only moved
     if command[0] == "demo":
         assert "[native] child started" in done.stderr  # the rank processes inherit the redirection
+
+
+def test_in_process_the_json_goes_to_the_callers_stdout_and_no_descriptor_moves(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A program (or a test) that runs ``rd2h.cli.main`` itself with ``sys.stdout`` replaced gets
+    the JSON there; descriptor 1 of its process is left where it was (CI found the bench tests'
+    capsys empty and the JSON on the process's descriptor 1)."""
+    from rd2h.cli.main import main
+
+    before = os.fstat(1)
+    assert main(["backends", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert any(b["name"] == "local" for b in listed)
+    after = os.fstat(1)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
