@@ -28,6 +28,7 @@ from typing import Any
 
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import Mode
+from rd2h.vllm.pipeline import layer_index
 
 __all__ = [
     "GroupInfo", "check_groups", "layers_to_pull", "describe_groups", "spec_kind", "pulls_groups",
@@ -211,8 +212,12 @@ def gather_blocks(
 
 
 def _layer_index(name: str) -> int | None:
-    numbers = [int(part) for part in name.split(".") if part.isdigit()]
-    return numbers[0] if len(numbers) == 1 else None
+    """vLLM's layer index of ``name`` (:func:`rd2h.vllm.pipeline.layer_index`); None where the
+    name does not say (such a slot sorts by registration order alone)."""
+    try:
+        return layer_index(name)
+    except ConfigError:
+        return None
 
 
 def storage_slots(storage: Mapping[str, int], groups: Sequence[GroupInfo]) -> dict[str, tuple[str, ...]]:
