@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import pytest
@@ -73,18 +73,6 @@ class ChannelConformance:
         return free_tcp_address()
 
     # -- fixtures ---------------------------------------------------------------------------
-
-    @pytest.fixture
-    def closer(self) -> Iterator[Callable[[T], T]]:
-        opened: list[Any] = []
-
-        def keep(thing: T) -> T:
-            opened.append(thing)
-            return thing
-
-        yield keep
-        for thing in reversed(opened):
-            thing.close()
 
     @pytest.fixture
     def channel(self) -> ControlChannel:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -27,19 +26,6 @@ class TestMemoryConformance(ChannelConformance):
 
     def make_address(self) -> str:
         return fresh_address()
-
-
-@pytest.fixture
-def closer() -> Iterator[Callable[[T], T]]:
-    opened: list[Any] = []
-
-    def keep(thing: T) -> T:
-        opened.append(thing)
-        return thing
-
-    yield keep
-    for thing in reversed(opened):
-        thing.close()
 
 
 @pytest.fixture

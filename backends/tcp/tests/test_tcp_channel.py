@@ -9,8 +9,8 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import zmq
@@ -23,19 +23,6 @@ from rd2h.testing.channel_suite import free_tcp_address, wait_for
 
 T = TypeVar("T")
 ARRIVAL = 5.0
-
-
-@pytest.fixture
-def closer() -> Iterator[Callable[[T], T]]:
-    opened: list[Any] = []
-
-    def keep(thing: T) -> T:
-        opened.append(thing)
-        return thing
-
-    yield keep
-    for thing in reversed(opened):
-        thing.close()
 
 
 def raw_peer(listener: TcpListener, identity: bytes = b"r" * IDENTITY_BYTES) -> socket.socket:

@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 import zmq.auth
+from rd2h_zmq import ZmqChannel
 
 from rd2h.errors import ChannelError, ConfigError, FrameTooLargeError, PortInUseError
 from rd2h.testing.channel_suite import ChannelConformance, free_tcp_address
-from rd2h_zmq import ZmqChannel
 
 T = TypeVar("T")
 ARRIVAL = 5.0
@@ -23,19 +23,6 @@ ARRIVAL = 5.0
 
 class TestZmqConformance(ChannelConformance):
     channel_name = "zmq"
-
-
-@pytest.fixture
-def closer() -> Iterator[Callable[[T], T]]:
-    opened: list[Any] = []
-
-    def keep(thing: T) -> T:
-        opened.append(thing)
-        return thing
-
-    yield keep
-    for thing in reversed(opened):
-        thing.close()
 
 
 @pytest.fixture

@@ -14,31 +14,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 import zmq
 import zmq.auth
+from rd2h_zmq import ZmqChannel
 
 from rd2h.errors import ChannelError, ConfigError
-from rd2h_zmq import ZmqChannel
 
 T = TypeVar("T")
 ARRIVAL = 5.0
 MiB = 1 << 20
-
-
-@pytest.fixture
-def closer() -> Iterator[Callable[[T], T]]:
-    opened: list[Any] = []
-
-    def keep(thing: T) -> T:
-        opened.append(thing)
-        return thing
-
-    yield keep
-    for thing in reversed(opened):
-        thing.close()
 
 
 @pytest.fixture
