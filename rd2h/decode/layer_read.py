@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from rd2h.decode.layer_lane import Lane, PeerLayers
 from rd2h.decode.peer_limits import Oversized
 from rd2h.decode.rank_reads import StepReads
 from rd2h.decode.receive_tracker import Admission, ReceiveTracker
@@ -25,7 +26,7 @@ from rd2h.errors import ChannelError, LayoutError, ProtocolError, RD2HError, wir
 from rd2h.interfaces import Listener, Session, TransferEngine
 from rd2h.layout.heads import HeadViews
 from rd2h.layout.layers import LayerLayout
-from rd2h.layout.planning import LayerPlan, RequestRead
+from rd2h.layout.planning import Int64Array, LayerPlan, RequestRead
 from rd2h.layout.regions import RegionSet
 from rd2h.layout.step_plans import StepPlans
 from rd2h.quiet_log import quiet
@@ -64,6 +65,7 @@ class Counters:
 
     bytes_read: int = 0
     layers_read: int = 0
+    lane_reads: int = 0  # layers read on a step's lane (rd2h.decode.layer_lane), not planned on their own
     malformed: int = 0
     oversized: int = 0  # readiness refused for naming too many block ids
     peers_dropped: int = 0  # peers forgotten: over a cap, or idle
@@ -135,6 +137,10 @@ class LayerReader:
         self._step_reads = StepReads(
             decode_rank=rank, decode_tp=tp_size, main_split=tracker.main_split, kv_heads=kv_heads
         )
+        # a step's next small layers from one peer: precomputed, admitted again in one call
+        self.lanes = True  # False: every readiness takes the general path (tests compare the two)
+        self._lanes: dict[bytes, Lane] = {}  # identity -> its latest step's lane
+        self._tables: dict[bytes, tuple[AdmittedPeer, PeerLayers]] = {}  # derived once per admitted peer
 
     def learn_peer(self, peer: AdmittedPeer) -> None:
         """Validate and describe a new peer's layouts now, not on the first layer of a step."""
@@ -144,6 +150,9 @@ class LayerReader:
         )
 
     def on_ready(self, identity: bytes, batch: protocol.ReadReadyBatch) -> None:
+        lane = self._lanes.get(identity)
+        if lane is not None and lane.fits(identity, batch) and self._lane_read(lane, identity, batch):
+            return
         started = time.perf_counter()
         with self._changed:
             admission = self._tracker.on_readiness(identity, batch, self._clock())
@@ -157,11 +166,12 @@ class LayerReader:
         read_seconds = 0.0
         failed: dict[str, RD2HError] = {}
         nbytes: dict[str, int] = {}
+        key = None
         try:
             if admission.readable:
-                plan, reads, failed, per_block = self._plan(identity, batch, admission)
+                plan, reads, failed, per_block, key = self._plan(identity, batch, admission)
             if plan is not None:
-                read_seconds = self._read(identity, plan, failed)
+                read_seconds = self._read(identity, plan.local, plan.remote, plan.lengths, plan, failed)
                 nbytes = self._step_reads.request_bytes(reads, per_block, failed)
         except Exception as exc:  # noqa: BLE001 - the admitted requests fail, never the loop
             # a layout mismatch fails the whole layer before any read; anything unforeseen
@@ -176,14 +186,84 @@ class LayerReader:
             with self._changed:
                 failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
                 self._answer(identity, batch, admission, failures)
-        stat = LayerStat(
-            batch.layer_idx, 0 if plan is None else plan.nbytes, 0 if plan is None else len(plan),
-            read_seconds, time.perf_counter() - started, len(failures),
+            if key is not None and plan is not None and not failures and self.lanes:
+                self._open_lane(identity, batch, admission, reads, plan, key)
+        self._observe(
+            batch.layer_idx, 0 if plan is None else plan.nbytes, 0 if plan is None else len(plan), read_seconds,
+            started, len(failures),
         )  # fmt: skip
+
+    def _observe(self, layer_idx: int, nbytes: int, descriptors: int, read_seconds: float, started: float,
+                 failed: int) -> None:  # fmt: skip
+        stat = LayerStat(layer_idx, nbytes, descriptors, read_seconds, time.perf_counter() - started, failed)
         self.counters.stats.append(stat)
         observe = self.on_layer  # read once: another thread may set it
         if observe is not None:
             observe(stat)
+
+    # -- a step's lane -------------------------------------------------------------------
+
+    def _open_lane(
+        self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission, reads: list[RequestRead],
+        plan: LayerPlan, key: object,
+    ) -> None:
+        """After a clean read of a small layer with no final signal: the step's other layers
+        precomputed, so they skip admission and planning (rd2h.decode.layer_lane)."""
+        self._lanes.pop(identity, None)
+        if batch.done_ext_ids or admission.refused or not batch.reqs_bytes:
+            return
+        peer = self._peers.get(identity)
+        if peer is None:
+            return
+        if len(self._tables) > 2 * len(self._peers) + 8:  # peers come and go: keep only the admitted ones
+            self._tables = {i: e for i, e in self._tables.items() if self._peers.get(i) is e[0]}
+            self._lanes = {i: e for i, e in self._lanes.items() if self._peers.get(i) is e.peer}
+        entry = self._tables.get(identity)
+        if entry is None or entry[0] is not peer:
+            entry = self._tables[identity] = (peer, PeerLayers(peer.layers, self._layers, peer.regions, self._regions))
+        with self._changed:
+            token = self._tracker.peer_token(identity)
+        lane = Lane.of(
+            identity=identity, peer=peer, batch=batch, admission=admission, peer_token=token, reads=reads,
+            plan=plan, table=entry[1], nbytes=plan.nbytes, key=key,
+        )  # fmt: skip
+        if lane is not None:
+            self._lanes[identity] = lane
+
+    def _lane_read(self, lane: Lane, identity: bytes, batch: protocol.ReadReadyBatch) -> bool:
+        """The next layer of a lane's step: admitted again, read, answered. False (nothing
+        done) where the general path must take it: the layer has no row, the peer was
+        admitted again, or the tracker would not admit the same requests now."""
+        rows = lane.descriptors(batch.layer_name)
+        if rows is None or self._peers.get(identity) is not lane.peer:
+            return False
+        started = time.perf_counter()
+        admission = lane.admission
+        with self._changed:
+            if not self._tracker.readmit(identity, admission, lane.peer_token):
+                del self._lanes[identity]
+                return False
+        failed: dict[str, RD2HError] = {}
+        read_seconds = 0.0
+        try:
+            read_seconds = self._read(identity, *rows, lane, failed)
+            nbytes = self._step_reads.request_bytes(lane.reads, self._block_bytes[batch.layer_name], failed)
+        except Exception as exc:  # noqa: BLE001 - as on the general path: the requests fail, never the loop
+            if not isinstance(exc, RD2HError):
+                log.exception("rank %d: layer %d could not be read", self.rank, batch.layer_idx)
+                exc = ProtocolError(f"Decode could not read layer {batch.layer_idx}: {type(exc).__name__}: {exc}")
+            with self._changed:
+                failures = self._tracker.fail_readable(admission, exc, self._clock())
+                self._answer(identity, batch, admission, failures)
+        else:
+            with self._changed:
+                failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
+                self._answer(identity, batch, admission, failures)
+        if failures:
+            self._lanes.pop(identity, None)
+        self.counters.lane_reads += 1
+        self._observe(batch.layer_idx, lane.nbytes, len(rows[2]), read_seconds, started, len(failures))
+        return True
 
     def refuse_oversized(self, identity: bytes, over: Oversized, max_ids: int) -> None:
         """Refuse a readiness naming too many ids, per request, without decoding its ids."""
@@ -228,7 +308,7 @@ class LayerReader:
 
     def _plan(
         self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission
-    ) -> tuple[LayerPlan, list[RequestRead], dict[str, RD2HError], tuple[int, int]]:
+    ) -> tuple[LayerPlan, list[RequestRead], dict[str, RD2HError], tuple[int, int], object]:
         """This rank's reads of the readable requests, their descriptors, the requests
         that cannot be read and the bytes a block id moves; raises for a layer-wide mismatch."""
         peer = self._peers[identity]  # admitted peers have a session
@@ -244,14 +324,19 @@ class LayerReader:
         plan = self._plans.build(
             key, src, dst, reads, src_regions=peer.regions, dst_regions=self._regions, layer_name=batch.layer_name
         )
-        return plan, reads, {**refused, **plan.failed}, per_block
+        lane_key = key if dst is whole and not refused else None  # a head split or a refusal: no lane
+        return plan, reads, {**refused, **plan.failed}, per_block, lane_key
 
-    def _read(self, identity: bytes, plan: LayerPlan, failed: dict[str, RD2HError]) -> float:
-        if not len(plan):
+    def _read(
+        self, identity: bytes, local: Int64Array, remote: Int64Array, lengths: Int64Array, plan: LayerPlan | Lane,
+        failed: dict[str, RD2HError],
+    ) -> float:
+        """Read ``plan``'s descriptors; on failure every request of ``plan`` goes into ``failed``."""
+        if not len(lengths):
             return 0.0
         started = time.perf_counter()
         try:
-            self._engine.read_batch(self._peers[identity].session, plan.local, plan.remote, plan.lengths)
+            self._engine.read_batch(self._peers[identity].session, local, remote, lengths)
         except RD2HError as exc:
             failed.update({e: exc for e in plan.requests})
             return time.perf_counter() - started

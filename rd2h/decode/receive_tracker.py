@@ -147,6 +147,35 @@ class ReceiveTracker(RequestTable):
         """Admitted peers: identity -> p_session."""
         return {i: p.p_session for i, p in self._peers.items() if p.state is _PeerState.ADMITTED}
 
+    def peer_token(self, identity: bytes) -> object:
+        """What ``readmit`` compares to tell that the peer's record did not change since."""
+        return self._peers.get(identity)
+
+    def readmit(self, identity: bytes, admission: Admission, token: object) -> bool:
+        """Admit again, for another layer of the same step, exactly what ``admission`` admitted
+        (marked as being read), when ``on_readiness`` would: the peer's record is still
+        ``token`` (``peer_token``), and each request is the same instance, live, not
+        confirming and announced by this peer. False, and nothing changed, otherwise (the
+        caller then takes ``on_readiness``)."""
+        peer = self._peers.get(identity)
+        if peer is None or peer is not token or peer.state is not _PeerState.ADMITTED or admission.refused:
+            return False
+        records = []
+        requests = self._requests
+        for ext_id, serial in admission.requests:
+            request = requests.get(ext_id)
+            if (
+                request is None or request.serial != serial or request.terminal
+                or request.state is ReceiveState.CONFIRMING or identity not in request.peers
+            ):
+                return False
+            records.append(request)
+        if len(records) != len(admission.readable):
+            return False
+        for request in records:
+            request.reading = True
+        return True
+
     # Each entry below is guarded (the h11 habit): whatever a peer's message makes the tracker
     # do, an exception becomes the failure of the requests that message named, which the
     # reply names too, so both sides settle them; the loop goes on.
