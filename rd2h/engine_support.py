@@ -6,9 +6,11 @@
 - ``check_read``: the whole preamble of a ``read_batch`` over native sessions (the session is
   this engine's, open and usable; the arrays are sound; both sides lie in registered regions),
   and ``breaks_session_on_timeout``: a read that overran leaves its session refusing reads;
-- ``check_region_kinds``: a registration refuses memory the engine does not move, naming the
-  engines installed here that do (``capable_engines``); ``check_peer_kinds``: the same
-  question about a peer's layouts, asked by Decode before it connects;
+- ``check_region_kinds``: a registration refuses memory the engine, as configured, does not
+  move, naming the engines installed here that do (``capable_engines``); ``check_peer_kinds``:
+  the same question about a peer's layouts, asked by Decode before it connects;
+  ``kinds_for_options``: what an engine built with given options will move (asked before
+  building it: the vLLM worker's staging choice);
 - ``bounded_call``: a native call that cannot hang its caller;
 - ``goes_quiet``: whether a peer's TCP address stops answering (a dead peer, told apart from
   a failed transfer).
@@ -36,7 +38,7 @@ from rd2h.layout.regions import Region, RegionSet, check_memory_kind, device_typ
 
 __all__ = [
     "MetadataEnvelope", "split_host_port", "check_read_arrays", "check_read", "breaks_session_on_timeout",
-    "check_region_kinds", "check_peer_kinds", "capable_engines", "bounded_call", "answers_at", "goes_quiet",
+    "check_region_kinds", "check_peer_kinds", "kinds_for_options", "capable_engines", "bounded_call", "answers_at", "goes_quiet",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -245,10 +247,23 @@ def _refusal(engine: str, kind: str, role: str, kinds: frozenset[str], what: str
     )
 
 
+def kinds_for_options(engine_class: type, options: Mapping[str, Any] | None = None) -> MemoryKinds:
+    """What an engine of ``engine_class`` built with ``options`` moves
+    (``TransferEngine.memory_kinds_for``); ``memory_kinds()`` for a class that predates
+    that method (a third-party engine that is no ``TransferEngine`` subclass), host only
+    for one that says nothing."""
+    ask = getattr(engine_class, "memory_kinds_for", None)
+    if ask is not None:
+        return ask(dict(options or {}))
+    ask = getattr(engine_class, "memory_kinds", None)
+    return ask() if ask is not None else HOST_ONLY
+
+
 def _kinds_of(engine: object) -> MemoryKinds:
-    """The engine's ``memory_kinds()`` (a wrapper's inner engine's); host only for an object
-    that does not say (a test double that is no ``TransferEngine``)."""
-    ask = getattr(engine, "memory_kinds", None)
+    """What the engine, as configured, moves (``memory_kinds_in_use``; a wrapper's inner
+    engine's); ``memory_kinds()`` for an engine that predates that method; host only for an
+    object that says nothing (a test double that is no ``TransferEngine``)."""
+    ask = getattr(engine, "memory_kinds_in_use", None) or getattr(engine, "memory_kinds", None)
     return ask() if ask is not None else HOST_ONLY
 
 
@@ -261,12 +276,13 @@ def _engine_name(engine: object) -> str:
 def check_region_kinds(engine: TransferEngine, regions: Iterable[Region], kinds: MemoryKinds | None = None) -> None:
     """Raise ``TransferError`` for a region whose memory kind ``engine`` does not move on its
     role's side: a Prefill engine registers what peers read from (``reads_from``), a Decode
-    engine what it writes to (``writes_to``). ``kinds`` defaults to the engine's
-    ``memory_kinds()``; an engine whose options narrow them passes its own. The message names
+    engine what it writes to (``writes_to``). ``kinds`` defaults to what the engine as
+    configured moves (``memory_kinds_in_use``: the options an engine was built with may
+    narrow its class's ``memory_kinds()``). The message names
     the region, its kind, what the engine moves and the installed engines that can move it,
     so the refusal comes at registration, not as EFAULT at the first read."""
     role = getattr(engine, "role", "decode")
-    allowed = (kinds or _kinds_of(engine)).for_role(role)
+    allowed = (kinds if kinds is not None else _kinds_of(engine)).for_role(role)
     name = _engine_name(engine)
     for r in regions:
         if r.device_type not in allowed:
@@ -274,8 +290,9 @@ def check_region_kinds(engine: TransferEngine, regions: Iterable[Region], kinds:
 
 
 def check_peer_kinds(engine: TransferEngine, layers: Mapping[str, LayerLayout]) -> None:
-    """Raise ``IncompatiblePeerError`` unless ``engine`` (Decode's) reads from every memory
-    kind a peer's layouts declare (layer metadata, layout 4): refused at the handshake with a
+    """Raise ``IncompatiblePeerError`` unless ``engine`` (Decode's, as configured:
+    ``memory_kinds_in_use``) reads from every memory kind a peer's layouts declare (layer
+    metadata, layout 4): refused at the handshake with a
     message naming the layer, the kind and the engines that can, not at the first read."""
     allowed = _kinds_of(engine).reads_from
     name = _engine_name(engine)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -143,9 +143,27 @@ class TransferEngine(abc.ABC):
         """Which memory this engine moves, by device type, with what is installed here (a
         wheel built without CUDA moves no CUDA memory). The default is host memory only.
         ``register`` refuses a region of any other kind (``engine_support.check_region_kinds``);
-        an engine whose options narrow this (a host-only data path) refuses more. Must not
-        raise and must not start anything."""
+        an engine whose options narrow this (a host-only data path) refuses more: it says so
+        in ``memory_kinds_for``. Must not raise and must not start anything."""
         return HOST_ONLY
+
+    @classmethod
+    def memory_kinds_for(cls, options: Mapping[str, Any]) -> MemoryKinds:
+        """Which memory an engine built with ``options`` (its constructor's keyword options,
+        without ``role``) moves: what the vLLM worker asks before it chooses host staging
+        (``rd2h.staging.choice``). An engine whose transport depends on its options
+        overrides this (MemFabric: ``data_op="host_tcp"`` moves host memory only). The
+        default is ``memory_kinds()``, so an engine that overrides only that one is asked
+        as before. Must not raise (options the constructor would refuse get an answer too:
+        construction raises for them anyway) and must not start anything."""
+        return cls.memory_kinds()
+
+    def memory_kinds_in_use(self) -> MemoryKinds:
+        """Which memory this engine, as configured, moves: what ``register`` and Decode's
+        handshake check (``engine_support.check_region_kinds`` / ``check_peer_kinds``).
+        Override it together with ``memory_kinds_for``; the default is the class's
+        ``memory_kinds()``."""
+        return type(self).memory_kinds()
 
     @property
     @abc.abstractmethod

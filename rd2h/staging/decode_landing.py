@@ -72,14 +72,16 @@ class DecodeLanding:
         self._used: list[Any] = [None, None]  # event of the device copy still reading each half
         self._units: dict[tuple[int, int], Any] = {}  # (tensor, unit bytes) -> its rows of that size
         self._stream = self.device.stream()
+        self.landed_bytes = 0  # copied host-to-device so far (the staged path ran: worker stats)
+        self.rounds = 0  # landing-buffer rounds so far (one read and one device copy each)
 
     @classmethod
-    def for_layers(cls, layers: Mapping[str, LayerTensors], **options: Any) -> DecodeLanding | None:
-        """A landing for every tensor of ``layers`` that is not in host memory; None if all are."""
-        staged = [
-            t for tensors in layers.values() for t in (*tensors.main, tensors.indexer, tensors.scale)
-            if t is not None and memory_kind(t) != "host"
-        ]  # fmt: skip
+    def for_layers(cls, layers: Mapping[str, LayerTensors], *, force: bool = False, **options: Any) -> DecodeLanding | None:
+        """A landing for every tensor of ``layers`` that is not in host memory; None if all
+        are, unless ``force``: then (``RD2H_STAGING=always`` on a CPU) a landing for all of
+        them, through the host stand-in."""
+        every = [t for tensors in layers.values() for t in (*tensors.main, tensors.indexer, tensors.scale) if t is not None]
+        staged = [t for t in every if memory_kind(t) != "host"] or (every if force else [])
         return cls(staged, **options) if staged else None
 
     @property
@@ -87,14 +89,15 @@ class DecodeLanding:
         return 2 * self.half
 
     def wrap(self, engine: TransferEngine) -> LandingEngine:
-        """``engine`` writing the staged tensors through this landing buffer. The wrapper's
-        ``memory_kinds`` are the engine's, plus writes to the staged tensors' device types."""
-        inner = getattr(type(engine), "memory_kinds", None)
-        inner_kinds = inner() if inner is not None else MemoryKinds()
-        staged = {device_type(memory_kind(t)) for t in self._tensors}
-        kinds = MemoryKinds(inner_kinds.reads_from, inner_kinds.writes_to | staged)
-        cls = type("LandingEngine", (LandingEngine,), {"memory_kinds": classmethod(lambda _: kinds)})
-        return cls(engine, self)
+        """``engine`` writing the staged tensors through this landing buffer. The wrapper
+        moves what ``engine`` does (``memory_kinds_in_use``), plus writes to the staged
+        tensors' device types."""
+        return LandingEngine(engine, self)
+
+    @property
+    def device_types(self) -> frozenset[str]:
+        """The device types of the staged tensors (what the wrapped engine now writes to)."""
+        return frozenset(device_type(memory_kind(t)) for t in self._tensors)
 
     def regions(self, regions: Sequence[Region]) -> list[Region]:
         """``regions`` less the staged tensors' ranges, plus the landing buffer."""
@@ -151,6 +154,8 @@ class DecodeLanding:
                 raise TransferError(f"host-to-device copy failed: {type(exc).__name__}: {exc}") from exc
             event = self.device.record(self._stream)
             self._used[half] = None if event is DONE else event
+            self.landed_bytes += int(s_len[start:stop].sum())
+            self.rounds += 1
             start, turn = stop, turn + 1
         for event in self._used:
             if event is not None:
@@ -175,8 +180,9 @@ class DecodeLanding:
 class LandingEngine(TransferEngine):
     """A Decode engine whose reads into staged tensors go through a :class:`DecodeLanding`.
 
-    Everything else is the wrapped engine's: its name, capabilities, sessions and errors.
-    ``close`` closes it."""
+    Everything else is the wrapped engine's: its name, capabilities, sessions and errors;
+    it moves what that engine moves as configured, plus writes to the staged tensors'
+    device types (``memory_kinds_in_use``). ``close`` closes it."""
 
     def __init__(self, inner: TransferEngine, landing: DecodeLanding) -> None:
         self.inner, self.landing = inner, landing
@@ -198,6 +204,11 @@ class LandingEngine(TransferEngine):
 
     def read_batch(self, session: Session, local_addrs: Any, remote_addrs: Any, lengths: Any) -> None:
         self.landing.read(self.inner, session, local_addrs, remote_addrs, lengths)
+
+    def memory_kinds_in_use(self) -> MemoryKinds:
+        ask = getattr(self.inner, "memory_kinds_in_use", None) or getattr(self.inner, "memory_kinds", None)
+        inner = ask() if ask is not None else MemoryKinds()
+        return MemoryKinds(inner.reads_from, inner.writes_to | self.landing.device_types)
 
     def close(self) -> None:
         self.inner.close()

@@ -126,6 +126,8 @@ class PrefillMirror:
         self.indexer_limit = min(indexer) if indexer else self.main_limit
         self._stream = self.device.stream()
         self._copied: dict[str, Any] = {}  # layer -> event of its latest copy (the device rows are read until then)
+        self.copies = 0  # layer copies that moved bytes so far (the staged path ran: worker stats)
+        self.copied_bytes = 0  # bytes those copies moved device-to-host
 
     def copy(self, layer_name: str, main_blocks: np.ndarray, indexer_blocks: np.ndarray, after: Any | None) -> Any | None:
         """Queue the copy of the layer's ``main_blocks`` / ``indexer_blocks`` (device ids)
@@ -133,9 +135,15 @@ class PrefillMirror:
         written already). Returns the copy's event, or None where it is done already."""
         stream = self._stream
         self.device.after(stream, after)
+        nbytes = 0
         for group, rows_dev, rows_host in self._copies[layer_name]:
-            self.device.gather_to_host(stream, rows_dev, main_blocks if group == "main" else indexer_blocks, rows_host)
+            ids = main_blocks if group == "main" else indexer_blocks
+            self.device.gather_to_host(stream, rows_dev, ids, rows_host)
+            nbytes += len(ids) * int(rows_host.shape[1])
         event = self.device.record(stream)
+        if nbytes:
+            self.copies += 1
+            self.copied_bytes += nbytes
         self._copied[layer_name] = event
         return None if event is DONE else event
 

@@ -8,8 +8,9 @@ There :meth:`RD2HStats.reduce` makes the periodic "KV Transfer metrics" log line
 series. ``data`` holds only numbers, lists and dicts: it crosses processes.
 
 Where these come from: :class:`WorkerTally` (one per worker) takes deltas of the sink's
-cumulative counters, drains what the sink's loop thread observed (one entry per read batch
-or handshake, never per block) and counts the outcomes the worker collects anyway;
+cumulative counters (and of host staging's copy counters, where the worker stages),
+drains what the sink's loop thread observed (one entry per read batch or handshake, never
+per block) and counts the outcomes the worker collects anyway;
 :class:`SchedulerTally` takes deltas of the scheduler's ``stats``. Request counts are per TP
 rank: each rank pulls (or sends) its share, so a request counts once on every rank.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ _MAX_EVENTS = 1 << 14  # observations awaiting the next take (vLLM takes each st
 def _empty() -> dict[str, Any]:
     return {
         "pulled_bytes": 0, "read_time": 0.0, "pulled": 0, "sent": 0,  # totals over the interval
+        "staged_bytes": 0, "landed_bytes": 0,  # host staging's copies (rd2h.staging), totals too
         "read_batch_seconds": [], "handshake_seconds": [],  # one value per read batch / handshake
         "pull_failures": {}, "send_failures": {}, "local": {},  # counts by error class / reason
     }  # fmt: skip
@@ -109,6 +111,10 @@ class RD2HStats(KVConnectorStats):  # type: ignore[misc,valid-type]
             out["Max handshake (ms)"] = round(1e3 * max(d["handshake_seconds"]), 3)
         if d["local"]:
             out["Computed locally"] = sum(d["local"].values())
+        if d["staged_bytes"]:
+            out["Staged GB"] = round(d["staged_bytes"] / 1e9, 3)
+        if d["landed_bytes"]:
+            out["Landed GB"] = round(d["landed_bytes"] / 1e9, 3)
         return out
 
 
@@ -134,6 +140,13 @@ class WorkerTally:
         self._handshakes: deque[float] = deque(maxlen=_MAX_EVENTS)
         self._stats = RD2HStats()
         self._sink_seen = (0, 0.0)  # the sink's (bytes_read, read_seconds) at the last take
+        self._staging: Callable[[], tuple[int, int]] | None = None
+        self._staging_seen = (0, 0)
+
+    def watch_staging(self, counters: Callable[[], tuple[int, int]]) -> None:
+        """Report host staging's cumulative ``(staged_bytes, landed_bytes)`` from now on
+        (``rd2h.staging.choice.WorkerStaging.counters``)."""
+        self._staging = counters
 
     def watch(self, sink: Any) -> None:
         """Observe ``sink``'s read batches and handshakes from now on."""
@@ -177,6 +190,11 @@ class WorkerTally:
             stats.data["pulled_bytes"] = now[0] - self._sink_seen[0]
             stats.data["read_time"] = now[1] - self._sink_seen[1]
             self._sink_seen = now
+        if self._staging is not None:
+            now_staged = self._staging()
+            stats.data["staged_bytes"] = now_staged[0] - self._staging_seen[0]
+            stats.data["landed_bytes"] = now_staged[1] - self._staging_seen[1]
+            self._staging_seen = now_staged
         stats.data["read_batch_seconds"] = _drain(self._reads)
         stats.data["handshake_seconds"] = _drain(self._handshakes)
         return None if stats.is_empty() else stats
@@ -218,6 +236,16 @@ _COUNTERS = (
     ),
     ("pulled", "vllm:rd2h_pulled_requests", "Requests whose KV arrived whole, once per Decode TP rank."),
     ("sent", "vllm:rd2h_sent_requests", "Requests every Decode rank finished reading, once per Prefill TP rank."),
+    (
+        "staged_bytes",
+        "vllm:rd2h_staged_bytes",
+        "KV cache bytes Prefill copied device-to-host into its host staging mirror (RD2H_STAGING), summed over TP ranks.",
+    ),
+    (
+        "landed_bytes",
+        "vllm:rd2h_landed_bytes",
+        "KV cache bytes Decode copied host-to-device from its staging landing buffer (RD2H_STAGING), summed over TP ranks.",
+    ),
 )
 _BY_LABEL = (
     ("pull_failures", "kind", "vllm:rd2h_pull_failures", "Failed pulls per Decode TP rank, by rd2h error class."),

@@ -14,7 +14,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -64,6 +65,11 @@ def _unknown_options(unknown: dict[str, object]) -> ConfigError:
     return ConfigError(f"unknown option(s) for the memfabric engine: {', '.join(sorted(unknown))} (known: {known})")
 
 
+def _path_kinds(data_op: str) -> MemoryKinds:
+    # a host transport (memfabric's CPU path: "host_*") copies with the CPU: host memory only
+    return HOST_ONLY if data_op.startswith("host_") else _ALL_KINDS
+
+
 def _resolve_data_op(data_op: str) -> str:
     if data_op == "auto":
         # memfabric's own default where an NPU is; its host TCP path everywhere else
@@ -107,15 +113,26 @@ class MemFabricEngine(TransferEngine):
 
     @classmethod
     def memory_kinds(cls) -> MemoryKinds:
-        """Host and Ascend NPU memory, both ways: memfabric's device data paths (SDMA, device
-        RDMA) copy device-to-host, host-to-device, device-to-device and host-to-host. An
-        engine on the ``host_tcp`` path moves host memory only (``data_path_kinds``)."""
+        """Host and Ascend NPU memory, both ways: what some data path moves. memfabric's
+        device data paths (SDMA, device RDMA) copy device-to-host, host-to-device,
+        device-to-device and host-to-host; its host transport (``host_tcp``) moves host memory
+        only (``memory_kinds_for``)."""
         return _ALL_KINDS
 
-    def data_path_kinds(self) -> MemoryKinds:
-        """What this engine's data path moves: host only on ``host_tcp`` (memfabric's CPU
-        transport copies with the CPU), host and NPU on ``sdma`` and ``device_rdma``."""
-        return HOST_ONLY if self.data_op == "host_tcp" else _ALL_KINDS
+    @classmethod
+    def memory_kinds_for(cls, options: Mapping[str, Any]) -> MemoryKinds:
+        """What an engine built with ``options`` moves: host only on a host transport
+        (``data_op="host_tcp"``, or ``"auto"`` where no Ascend NPU is), host and NPU on a device
+        data path. A ``data_op`` the constructor refuses gets ``memory_kinds()``."""
+        data_op = options.get("data_op", "auto")
+        if data_op == "auto":
+            data_op = _resolve_data_op(data_op)
+        return _path_kinds(data_op) if data_op in _native.DATA_OPS else _ALL_KINDS
+
+    def memory_kinds_in_use(self) -> MemoryKinds:
+        """What this engine's data path moves (``data_op``, resolved): host only on
+        ``host_tcp``, host and NPU on ``sdma`` and ``device_rdma``."""
+        return _path_kinds(self.data_op)
 
     def __init__(
         self,
@@ -177,9 +194,9 @@ class MemFabricEngine(TransferEngine):
     def register(self, regions: Sequence[Region]) -> bytes:
         """Register more memory (merged with what is registered) and return metadata covering
         all of it. Raises ``TransferError`` for memory this engine's data path does not move
-        (``data_path_kinds``), when memfabric refuses or the engine is closed,
+        (``memory_kinds_in_use``), when memfabric refuses or the engine is closed,
         ``TransferTimeout`` when it does not answer."""
-        check_region_kinds(self, regions, self.data_path_kinds())
+        check_region_kinds(self, regions)  # as configured: memory_kinds_in_use
         with self._lock:
             self._check_open()
             bounds = RegionSet([*self._bounds, *((r.addr, r.length) for r in regions)])

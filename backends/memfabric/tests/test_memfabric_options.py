@@ -190,10 +190,22 @@ def test_native_error_lines_since_a_mark() -> None:
 
 def test_declares_host_and_npu_memory_and_host_only_on_host_tcp() -> None:
     """memfabric's device paths (SDMA, device RDMA) move Ascend NPU memory both ways; its
-    host_tcp transport copies with the CPU and moves host memory only."""
+    host_tcp transport copies with the CPU and moves host memory only: so says an engine
+    built that way (what registration checks) and the options before it is built (what the
+    vLLM worker's staging choice asks)."""
     both = frozenset({"host", "npu"})
     assert MemFabricEngine.memory_kinds() == MemoryKinds(both, both)
     for data_op, kinds in (("host_tcp", MemoryKinds()), ("sdma", MemoryKinds(both, both)), ("device_rdma", MemoryKinds(both, both))):
         engine = MemFabricEngine.__new__(MemFabricEngine)  # no memfabric: only the data path matters here
         engine._native = SimpleNamespace(config=SimpleNamespace(data_op=data_op))
-        assert engine.data_path_kinds() == kinds, data_op
+        assert engine.memory_kinds_in_use() == kinds, data_op
+        assert MemFabricEngine.memory_kinds_for({"store_url": "tcp://127.0.0.1:1", "data_op": data_op}) == kinds
+
+
+def test_auto_data_op_moves_npu_memory_only_where_an_npu_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    both = frozenset({"host", "npu"})
+    monkeypatch.setattr(_native, "npu_present", lambda: False)
+    assert MemFabricEngine.memory_kinds_for({}) == MemoryKinds()  # auto is host_tcp here
+    monkeypatch.setattr(_native, "npu_present", lambda: True)
+    assert MemFabricEngine.memory_kinds_for({"data_op": "auto"}) == MemoryKinds(both, both)  # auto is sdma
+    assert MemFabricEngine.memory_kinds_for({"data_op": "bogus"}) == MemoryKinds(both, both)  # refused when built
