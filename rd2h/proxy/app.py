@@ -49,7 +49,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
-from rd2h.proxy.early import all_heard, answer_targets
+from rd2h.proxy.early import all_heard, answer_targets, prefill_owes
 from rd2h.proxy.failures import EngineError, NoInstance, PrefillFailed, RendezvousTimeout, cancel, failure, settle
 from rd2h.proxy.instances import Instance, Pool
 from rd2h.proxy.metrics import ProxyMetrics
@@ -107,6 +107,7 @@ class _Pending:
     pinned: dict[str, Instance] = field(default_factory=dict)  # role -> the only instance to use (warm-up)
     warmup: bool = False  # the proxy's own request: no client metrics
     targets: dict[str, Any] | None = None  # Prefill's signed fields with every target, once all are in
+    answered_by: dict[str, Instance] = field(default_factory=dict)  # role -> the instance that answered its leg
 
     def mark(self, name: str) -> None:  # the first time it passed ``name``, ms from ``started``
         self.record.setdefault("t", {}).setdefault(name, round((time.monotonic() - self.started) * 1e3, 3))
@@ -204,6 +205,7 @@ class Proxy:
                 instance.outstanding -= 1
                 raise
             instance.served += not pending.warmup
+            pending.answered_by[pool.role] = instance
             pending.mark(f"{pool.role}_answered")
             if stream:
                 pending.streams.append(instance)
@@ -229,9 +231,11 @@ class Proxy:
             await pending.all_in
         finally:
             timer.cancel()
-        if not self.config.targets_url:
-            assert pending.targets is not None
-            await self._prefill_leg(pending, path, body, pending.targets)
+        if self.config.targets_url:  # Prefill answered before its KV went: it owes it until Decode answers
+            await prefill_owes(pending)
+            return
+        assert pending.targets is not None
+        await self._prefill_leg(pending, path, body, pending.targets)
 
     async def _prefill_leg(self, pending: _Pending, path: str, body: dict[str, Any], fields: dict[str, Any]) -> None:
         leg = prefill_body(body)

@@ -9,6 +9,16 @@ proxy, as the sequential flow puts in Prefill's request body. Only the proxy ste
 bytes go: an ask that is not signed is refused (403), one for an id the proxy does not wait
 for gets 404, and one for a request that ended or whose rendezvous never came gets 410 (Prefill
 then frees the blocks it held for it).
+
+Prefill answers its leg once it computed the prompt, usually before its KV went to Decode (its
+targets came later, or the transfer is still under way). Until Decode answers, that Prefill
+still owes the request its KV, and Decode learns of a Prefill only from its first announcement:
+one that dies before that reaches Decode (waiting for its targets, or its first layer still
+queued on a connection not up yet) is seen by nobody but the proxy. So the Prefill part of the
+request (:func:`prefill_owes`) waits, after the leg, for the instance that answered it to go
+down (a health check or a connect error): the request then fails as a failed Prefill leg does
+(502, or Decode computes the prompt under its ``recompute`` policy) instead of waiting for
+Decode's ``request_timeout``. Decode's first byte ends the wait: it had the KV whole.
 """
 
 from __future__ import annotations
@@ -20,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 
-from rd2h.proxy.failures import settle
+from rd2h.proxy.failures import PrefillFailed, settle
 from rd2h.vllm.params import accept_targets_ask, prefill_fields
 
 if TYPE_CHECKING:
     from rd2h.proxy.app import Proxy, _Pending
 
-__all__ = ["TARGETS_PATH", "all_heard", "answer_targets"]
+__all__ = ["TARGETS_PATH", "all_heard", "answer_targets", "prefill_owes"]
 
 log = logging.getLogger("rd2h.proxy")
 
@@ -67,3 +77,17 @@ async def answer_targets(proxy: Proxy, body: Any) -> Response:
         return JSONResponse({"error": f"no targets: {exc}"}, status_code=410)
     pending.mark("targets_sent")
     return JSONResponse(pending.targets)
+
+
+async def prefill_owes(pending: _Pending) -> None:
+    """Prefill answered its leg before Decode answered: fail (PrefillFailed) if the instance that
+    answered it goes down meanwhile. Runs until cancelled (Decode answered: the proxy settles the
+    Prefill task) or until that instance goes down."""
+    instance = pending.answered_by.get("prefill")
+    if instance is None:
+        return
+    why = await asyncio.shield(instance.gone())  # shared by every request that instance owes
+    if "first_byte" in pending.record.get("t", {}):
+        return  # Decode had the KV whole: nothing is owed any more
+    pending.mark("prefill_gone")
+    raise PrefillFailed(f"Prefill {instance.url} went down before Decode had the request's KV: {why}")

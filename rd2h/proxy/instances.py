@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -37,6 +37,14 @@ class Instance:
     outstanding: int = 0  # requests sent and not yet answered in full
     served: int = 0  # client requests (warm-ups are not counted)
     why_down: str = ""
+    _gone: asyncio.Future[str] | None = field(default=None, repr=False, compare=False)
+
+    def gone(self) -> asyncio.Future[str]:
+        """Settled (with why) the next time this instance goes down: the requests whose part
+        it still owes wait on it (a Prefill that answered before its KV was sent)."""
+        if self._gone is None or self._gone.done():
+            self._gone = asyncio.get_running_loop().create_future()
+        return self._gone
 
     @property
     def in_rotation(self) -> bool:
@@ -77,6 +85,8 @@ class Pool:
         if instance.up:
             log.warning("%s %s is down: %s", self.role, instance.url, why)
             instance.epoch += 1
+            if instance._gone is not None and not instance._gone.done():
+                instance._gone.set_result(why)
         instance.up, instance.why_down = False, why
         if self.warm_up:
             instance.warm = False
