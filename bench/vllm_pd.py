@@ -138,10 +138,12 @@ def _events(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | None, after: Path | None) -> Any:
+def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | None, after: Path | None,
+                    at_once: frozenset[str] = frozenset()) -> Any:
     """The e2e tests' cluster with every engine on ``RD2HTraceConnector`` (bench/pd_trace.py);
     the processes named ``*-before`` import rd2h from ``before`` (a commit's package), the others
-    from ``after`` where given (else the checkout)."""
+    from ``after`` where given (else the checkout); the proxies named in ``at_once`` run with
+    ``--prefill-at-once``."""
     import vllm_cluster
 
     original = vllm_cluster.Process
@@ -172,7 +174,7 @@ def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | 
         def _proxy(self, name: str, decodes: Any, *args: str) -> None:
             vllm_cluster.Process = process
             try:
-                super()._proxy(name, decodes, *args)
+                super()._proxy(name, decodes, *args, *(("--prefill-at-once",) if name in at_once else ()))
             finally:
                 vllm_cluster.Process = original
 
@@ -199,6 +201,7 @@ def _checkout(spec: str, into: Path) -> Path:
 def _title(arm: str, args: argparse.Namespace, rows: list[dict[str, Any]], load: tuple[float, ...]) -> str:
     tokens = statistics.median(r["prompt_tokens"] or 0 for r in rows)
     who = f"rd2h at {args.before}" if arm == "before" else f"rd2h at {args.after or 'the checkout'}"
+    who += ", Prefill at once" if arm in getattr(args, "at_once", ()) else ""
     return (f"{who}: {len(rows)} requests an arm, ~{tokens:.0f}-token prompts, {args.max_tokens} tokens, "
             f"load average {load[0]:.1f} on {os.cpu_count()} cores")
 
@@ -220,7 +223,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     trace_dir = workdir / f"trace-{os.getpid()}"
     before = _checkout(args.before, workdir / f"before-{os.getpid()}") if args.before else None
     after = _checkout(args.after, workdir / f"after-{os.getpid()}") if args.after else None
-    cluster = _traced_cluster(model, workdir, trace_dir, before, after)
+    at_once = frozenset({"pd": "proxy", "before": "proxy-before"}[arm] for arm in args.at_once)
+    cluster = _traced_cluster(model, workdir, trace_dir, before, after, at_once)
     engine_args = ["--max-model-len", str(args.max_model_len), "--max-num-batched-tokens", str(args.batched_tokens)]
     # arm -> (proxy, decode); "one" asks the Prefill engine directly
     pd_arms = {"pd": ("proxy", "decode"), **({"before": ("proxy-before", "decode-before")} if before else {})}
@@ -272,7 +276,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "settings": {"requests": args.requests, "prompt_words": args.prompt_words, "max_tokens": args.max_tokens,
                      "engine": "local", "block_size": 32, "max_num_batched_tokens": args.batched_tokens,
                      "max_model_len": args.max_model_len, "model": str(args.model or
-                     f"tiny Qwen3, {args.layers} layers, hidden {args.hidden}"), "arms": arms},
+                     f"tiny Qwen3, {args.layers} layers, hidden {args.hidden}"), "arms": arms,
+                     "prefill_at_once": sorted(args.at_once)},
         "idle_cpu_percent": {"before": idle, "after": idle_after},
         "stages": [list(stage) for stage in pd_hops.HOPS],
         "single_stages": [list(stage) for stage in pd_hops.SINGLE_HOPS],
@@ -331,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                         "with the rd2h/ changes of commit C1 applied and those of C2 taken back")
     parser.add_argument("--after", metavar="REV", help="the other processes run rd2h as it was at REV, or REV+C1-C2 "
                         "(default: the checkout, whatever is not committed included)")
+    parser.add_argument("--at-once", nargs="*", choices=["pd", "before"], default=[],
+                        help="these P/D arms' proxies send Prefill its request at once, with Decode "
+                        "(rd2h proxy --prefill-at-once); e.g. --before HEAD --at-once pd: sequential against at once")
     parser.add_argument("--workdir", help="keep the model, logs and traces here (default: a temporary directory)")
     parser.add_argument("--json", default="vllm_pd.json", help="where to write the results")
     parser.add_argument("--plot", help="where to draw the breakdown (default: the JSON's path with .png)")
