@@ -32,14 +32,20 @@ def test_host_kv_is_never_staged() -> None:
 def test_kv_on_a_device_the_engine_does_not_move_is_staged_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
     t = layers()
     monkeypatch.setattr(choice, "device_types", lambda _: {"cuda"})  # the same tensors, said to be on a GPU
-    made = []
+    made: list[dict] = []
     real = DecodeLanding.for_layers.__func__  # type: ignore[attr-defined]
-    monkeypatch.setattr(DecodeLanding, "for_layers", classmethod(lambda cls, ls, **kw: made.append(kw) or real(cls, ls, force=True, capacity_bytes=1 << 16)))
+
+    def for_layers(cls: type, ls: dict, **kw: object) -> DecodeLanding:  # a real landing: the tensors are host
+        made.append(kw)
+        return real(cls, ls, force=True, capacity_bytes=1 << 16)
+
+    monkeypatch.setattr(DecodeLanding, "for_layers", classmethod(for_layers))
     monkeypatch.setenv("RD2H_STAGING_BLOCKS", "4")
     staging = choice.WorkerStaging(t, {n: layer_layout(x) for n, x in t.items()}, "local")
     assert "cuda" not in choice.moved_by("local", "decode")
     assert staging.needed("prefill") and staging.needed("decode")
-    assert isinstance(staging.sink_options()["landing"], DecodeLanding) and made == [{"force": False, "capacity_bytes": 256 << 20}]
+    landing = staging.sink_options()["landing"]
+    assert isinstance(landing, DecodeLanding) and made == [{"force": False, "capacity_bytes": 256 << 20}]
     source = staging.source(KVSource, block_size=16, reuse_slots=False)
     try:
         assert isinstance(source, StagedKVSource) and source.mirror.main_rows == 4
