@@ -8,9 +8,17 @@ import time
 from collections.abc import Hashable, Iterable
 
 from rd2h.errors import ConfigError
+from rd2h.layout.layers import LayerLayout
 from rd2h.prefill.slots import LayerState, SlotState, SlotTable
 
-__all__ = ["SlotGate"]
+__all__ = ["SlotGate", "slot_keys"]
+
+
+def slot_keys(layout: LayerLayout) -> tuple[tuple[str, int], ...]:
+    """The storage slots a layer writes, keyed by storage address: its main slot, and its
+    indexer's if it has one (layers that share a physical buffer share its slots)."""
+    main = ("main", layout.main_slot)
+    return (main,) if layout.indexer_slot is None else (main, ("indexer", layout.indexer_slot))
 
 
 class SlotGate:

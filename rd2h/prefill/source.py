@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
@@ -42,7 +42,7 @@ from rd2h.interfaces import Dialer, TransferEngine
 from rd2h.layout.layers import LayerLayout
 from rd2h.layout.regions import merge_by_device
 from rd2h.outcome import Outcome
-from rd2h.prefill.gate import SlotGate
+from rd2h.prefill.gate import SlotGate, slot_keys
 from rd2h.prefill.reply_turn import ReplyTurn
 from rd2h.prefill.send_tracker import Effects, SendTracker, Step
 from rd2h.quiet_log import QuietLog
@@ -64,7 +64,7 @@ class _Task:
     layer_name: str
     event: _Event | None
     step: Step
-    queued: float = field(default_factory=time.monotonic)
+    queued: float
 
 
 _STOP = object()
@@ -138,6 +138,7 @@ class Source:
         self._engine, self._dialer, self._clock = engine, dialer, clock
         self._layers = dict(layers)
         self._index = {name: i for i, name in enumerate(self._layers)}
+        self._slot_keys = {name: slot_keys(layout) for name, layout in self._layers.items()}  # per layer, once
         last = last_layer if last_layer is not None else next(reversed(self._layers))
         if last not in self._index:
             raise ConfigError(f"last_layer {last!r} is not one of the layers")
@@ -236,7 +237,7 @@ class Source:
             self._index_of(layer_name)
             return
         bound = self._reply_timeout + 5.0 if timeout is None else timeout
-        slots = self._slots(layer_name)
+        slots = self._slots(layer_name)  # raises ConfigError for an unknown layer
         if not self._caller_reads:
             self._gate.wait(slots, bound)
             return
@@ -255,9 +256,8 @@ class Source:
         (``wait_for_layer_send`` first)."""
         layer_idx = self._index_of(layer_name)
         if self._gate is not None:
-            self._gate.claim(layer_idx, self._slots(layer_name))
+            self._gate.claim(layer_idx, self._slot_keys[layer_name])
             self._claimed_at[layer_idx] = self._clock()
-        task = _Task(layer_idx, layer_name, event, self._step)
         with self._order:
             # Announce here when nothing is left to wait for: the KV is written (no event)
             # and no earlier layer waits in the queue (layers go out in order). A hand-off to
@@ -265,10 +265,10 @@ class Source:
             inline = self._inline and event is None and self._queued == 0
             if not inline:
                 self._queued += 1
-                self._queue.put(task)
+                self._queue.put(_Task(layer_idx, layer_name, event, self._step, time.monotonic()))
         if inline:
             try:
-                self._announce(task)
+                self._announce(layer_idx, layer_name, self._step)
             except Exception:  # as on the sender thread: the compute path never gets a peer's error
                 log.exception("Prefill rank %d: error announcing layer %r", self.rank, layer_name)
         else:
@@ -371,13 +371,11 @@ class Source:
         except KeyError:
             raise ConfigError(f"unknown layer {layer_name!r}") from None
 
-    def _slots(self, layer_name: str) -> list[tuple[str, int]]:
-        self._index_of(layer_name)  # raises ConfigError for an unknown layer
-        layout = self._layers[layer_name]
-        slots = [("main", layout.main_slot)]
-        if layout.indexer_slot is not None:
-            slots.append(("indexer", layout.indexer_slot))
-        return slots
+    def _slots(self, layer_name: str) -> tuple[tuple[str, int], ...]:
+        keys = self._slot_keys.get(layer_name)
+        if keys is None:
+            raise ConfigError(f"unknown layer {layer_name!r}")
+        return keys
 
     # -- sender thread -------------------------------------------------------------------
 
@@ -393,7 +391,7 @@ class Source:
             try:
                 if task is not None:
                     try:
-                        self._announce(task)  # type: ignore[arg-type]
+                        self._announce(task.layer_idx, task.layer_name, task.step, task)  # type: ignore[union-attr]
                     finally:
                         with self._order:
                             self._queued -= 1
@@ -423,23 +421,24 @@ class Source:
                 self.rank, _IGNORED[ignored], address, self._tracker.counters[ignored],
             )  # fmt: skip
 
-    def _announce(self, task: _Task) -> None:
-        waited = time.monotonic() - task.queued
-        if waited > _SLOW_SECONDS:
-            log.warning("Prefill rank %d: layer %r waited %.1f s to be announced", self.rank, task.layer_name, waited)
+    def _announce(self, layer_idx: int, layer_name: str, step: Step, task: _Task | None = None) -> None:
+        """Announce a layer: on the caller's thread (no ``task``), or a queued ``task`` on the sender's."""
         try:
-            if task.event is not None:
-                task.event.synchronize()
+            if task is not None:
+                if (waited := time.monotonic() - task.queued) > _SLOW_SECONDS:
+                    log.warning("Prefill rank %d: layer %r waited %.1f s to be announced", self.rank, layer_name, waited)
+                if task.event is not None:
+                    task.event.synchronize()
             with self._lock:  # raises before it changes anything
-                endpoints, effects = self._tracker.announce(task.step, task.layer_idx, task.layer_name, self._clock())
+                endpoints, effects = self._tracker.announce(step, layer_idx, layer_name, self._clock())
         except Exception as exc:  # nothing was announced: fail the step's requests, free the slots
-            log.error("Prefill rank %d: layer %r could not be announced: %s", self.rank, task.layer_name, exc)
+            log.error("Prefill rank %d: layer %r could not be announced: %s", self.rank, layer_name, exc)
             with self._lock:
-                self._tracker.layer_unsent(task.step, task.layer_name, exc, self._clock())
+                self._tracker.layer_unsent(step, layer_name, exc, self._clock())
                 self._lock.notify_all()
-            self._slots_sent(task.layer_idx, ())
+            self._slots_sent(layer_idx, ())
             return
-        self._slots_sent(task.layer_idx, endpoints)
+        self._slots_sent(layer_idx, endpoints)
         self._carry_out(effects)
 
     def _carry_out(self, effects: Effects) -> None:

@@ -477,9 +477,19 @@ def decode_reply(data: bytes) -> Reply:
 
     Raises RemoteProtocolError for anything else, naming the message and field.
     """
+    if type(data) is bytes and (done := _DONE_SEEN.get(data)) is not None:
+        return done  # the same bytes decode the same: a layer's READ_DONE is decoded once
     if _is_ack(data):  # not msgpack: b"A" would read as the integer 65
         return Ack()
-    return _decode(data, _REPLY_DECODERS, "ACK, read_done or read_failed")  # type: ignore[no-any-return]
+    reply = _decode(data, _REPLY_DECODERS, "ACK, read_done or read_failed")
+    if type(reply) is ReadDone and type(data) is bytes and len(data) <= 16:
+        if len(_DONE_SEEN) >= 1 << 14:  # the layer index is the peer's to choose: bounded
+            _DONE_SEEN.clear()
+        _DONE_SEEN[data] = reply
+    return reply  # type: ignore[no-any-return]
+
+
+_DONE_SEEN: dict[bytes, ReadDone] = {}  # READ_DONE frames decoded (frozen messages: shared)
 
 
 def decode(data: bytes) -> Message:
