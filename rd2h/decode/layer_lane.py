@@ -137,7 +137,9 @@ class Lane:
         return self.local[row], self.remote[row], self.lengths
 
     @staticmethod
-    def offsets(plan: LayerPlan, layer_name: str, table: PeerLayers) -> tuple[object, Int64Array, Int64Array, Int64Array] | None:
+    def offsets(
+        plan: LayerPlan, layer_name: str, table: PeerLayers
+    ) -> tuple[_Group, npt.NDArray[np.intp], Int64Array, Int64Array] | None:
         """The clean plan of ``layer_name`` as offsets into its tensors, with its group;
         None where it cannot be moved (its layer has no group, a descriptor lies outside its
         tensor, the plan is not grouped by tensor, or it is too big for a lane)."""

@@ -99,7 +99,7 @@ class RequestRecord:
     expected_peer: str | None = None  # the only Prefill identity that may announce it
 
     def apply(self, event: ReceiveEvent, error: RD2HError | None = None) -> None:
-        new = step(TRANSITIONS, self.state, event, f"request {self.ext_id!r}")
+        new = step(TRANSITIONS, self.state, event, "request %r", self.ext_id)
         if new is ReceiveState.FAILED and self.state is not ReceiveState.FAILED:
             self.error = error
         self.state = new

@@ -469,7 +469,7 @@ class SendTracker:
 
     def _move(self, request: RequestRecord, event: RequestEvent) -> None:
         before = request.state
-        request.state = _step(REQUEST_TRANSITIONS, before, event, f"request {request.ext_id!r}")
+        request.state = _step(REQUEST_TRANSITIONS, before, event, "request %r", request.ext_id)
         if before in ANNOUNCED and request.state not in ANNOUNCED:
             self._epoch += 1  # steps holding it rebuild their announcements without it
 

@@ -105,7 +105,7 @@ class SlotTable:
                     f"wait for it before claiming it for layer {layer_idx}"
                 )
         for slot in keys:
-            _step(_SLOT_TRANSITIONS, SlotState.FREE, _SlotEvent.CLAIM, f"slot {slot!r}")
+            _step(_SLOT_TRANSITIONS, SlotState.FREE, _SlotEvent.CLAIM, "slot %r", slot)
             self._owner[slot] = layer_idx
         self._layers[layer_idx] = _Layer(layer_idx, keys)
 
@@ -196,12 +196,12 @@ class SlotTable:
         return f"layer {layer.idx} (no reply from {waiting})"
 
     def _advance(self, layer: _Layer, event: _LayerEvent, pending: set[Hashable]) -> bool:
-        layer.state = _step(_LAYER_TRANSITIONS, layer.state, event, f"layer {layer.idx}")
+        layer.state = _step(_LAYER_TRANSITIONS, layer.state, event, "layer %d", layer.idx)
         layer.pending = pending
         if layer.state is not LayerState.RELEASED:
             return False
         for slot in layer.slots:
-            _step(_SLOT_TRANSITIONS, SlotState.BUSY, _SlotEvent.RELEASE, f"slot {slot!r}")
+            _step(_SLOT_TRANSITIONS, SlotState.BUSY, _SlotEvent.RELEASE, "slot %r", slot)
             del self._owner[slot]
         del self._layers[layer.idx]
         return True

@@ -369,13 +369,16 @@ def encode_readiness(
     """The same bytes as ``encode(ReadReadyBatch(...))``, from ``pack_read_reqs`` output."""
     _check_int(layer_idx, "layer_idx")
     _check_str(layer_name, "layer_name")
-    done = _as_str_tuple(done_ext_ids, "done_ext_ids")
-    _check_int(tp_ratio, "tp_ratio", 1)
-    _check_int(group_member_idx, "group_member_idx", 0, tp_ratio)
+    plain = type(done_ext_ids) is tuple and not done_ext_ids and type(group_member_idx) is int and type(tp_ratio) is int
+    if plain and group_member_idx == 0 and tp_ratio == 1:
+        tail = _PLAIN_TAIL  # most layers: no final signal, one contributor
+    else:
+        done = _as_str_tuple(done_ext_ids, "done_ext_ids")
+        _check_int(tp_ratio, "tp_ratio", 1)
+        _check_int(group_member_idx, "group_member_idx", 0, tp_ratio)
+        tail = msgpack.packb((done, group_member_idx, tp_ratio))[1:]
     head = msgpack.packb((_READ_READY_BATCH, layer_idx, layer_name))[1:]  # drop its array header
-    tail = msgpack.packb((done, group_member_idx, tp_ratio))[1:]
     return b"\x97" + head + packed_reqs + tail  # 0x97: an array of 7 fields
-
 
 
 def _decode_read_request(entry: object, i: int) -> ReadRequest:
@@ -473,10 +476,7 @@ def decode_request(data: bytes) -> Request:
 
 
 def decode_reply(data: bytes) -> Reply:
-    """Decode what Prefill receives from Decode: :class:`Ack`, :class:`ReadDone` or :class:`ReadFailed`.
-
-    Raises RemoteProtocolError for anything else, naming the message and field.
-    """
+    """Decode what Prefill receives: :class:`Ack`, :class:`ReadDone`, :class:`ReadFailed`; else RemoteProtocolError."""
     if type(data) is bytes and (done := _DONE_SEEN.get(data)) is not None:
         return done  # the same bytes decode the same: a layer's READ_DONE is decoded once
     if _is_ack(data):  # not msgpack: b"A" would read as the integer 65
@@ -490,6 +490,7 @@ def decode_reply(data: bytes) -> Reply:
 
 
 _DONE_SEEN: dict[bytes, ReadDone] = {}  # READ_DONE frames decoded (frozen messages: shared)
+_PLAIN_TAIL = msgpack.packb(((), 0, 1))[1:]
 
 
 def decode(data: bytes) -> Message:

@@ -39,3 +39,20 @@ def test_read_failed_is_never_remembered() -> None:
     frame = p.encode(p.ReadFailed(3, "gone", ("r",), "RD2HError"))
     assert p.decode_reply(frame) is not p.decode_reply(frame)
     assert frame not in p._DONE_SEEN
+
+
+@pytest.mark.parametrize("tail", [
+    ((), 0, 1), (("r",), 0, 1), ((), 1, 2), (["r", "s"], 0, 1), ([], 0, 1),
+])
+def test_encode_readiness_is_the_codecs_bytes_with_or_without_the_plain_tail(tail: tuple) -> None:
+    reads = (p.ReadRequest("r", [1, 2], [3], 0, 0),)
+    done, member, ratio = tail
+    assert p.encode_readiness(7, "l7", p.pack_read_reqs(reads), done, member, ratio) == p.encode(
+        p.ReadReadyBatch(7, "l7", reads, tuple(done), member, ratio)
+    )
+
+
+@pytest.mark.parametrize("bad", [((), True, 1), ((), 0, True), ((), 2, 2), ((), 0, 0), (("r", 3), 0, 1)])
+def test_encode_readiness_still_refuses_bad_fields(bad: tuple) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        p.encode_readiness(0, "l0", p.pack_read_reqs(()), *bad)
