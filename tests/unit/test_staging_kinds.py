@@ -176,3 +176,15 @@ def test_never_refuses_where_staging_would_be_needed_naming_the_kind_and_engine(
     with pytest.raises(ConfigError, match="npu:0 memory, and the memfabric engine as configured"):
         staging(device_layers("npu:0"), "memfabric", {"data_op": "host_tcp"}, mode="never").needed(role)
     assert not staging(device_layers("npu:0"), "memfabric", {"data_op": "sdma"}, mode="never").needed(role)
+
+
+def test_a_landing_wrapper_moves_what_its_engine_moves_as_configured_plus_writes_to_the_staged_device() -> None:
+    from rd2h.device import HostStandIn
+    from rd2h.staging.decode_landing import DecodeLanding
+
+    tensors = [OnDevice(torch.zeros(8, 16, 32), "npu:0")]
+    wrapped = DecodeLanding(tensors, capacity_bytes=1 << 16, device=HostStandIn()).wrap(memfabric_built_with("host_tcp", "decode"))
+    assert wrapped.memory_kinds_in_use() == MemoryKinds(frozenset({"host"}), frozenset({"host", "npu"}))
+    check_region_kinds(wrapped, [Region(0x1000, 64, "npu:0")])  # written through the landing buffer
+    with pytest.raises(IncompatiblePeerError, match="npu:0 memory.*memfabric engine reads from host memory only"):
+        check_peer_kinds(wrapped, {"l0": npu_layout()})  # the engine on host_tcp cannot read the peer's NPU
