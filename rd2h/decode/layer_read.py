@@ -140,7 +140,7 @@ class LayerReader:
         # a step's next small layers from one peer: precomputed, admitted again in one call
         self.lanes = True  # False: every readiness takes the general path (tests compare the two)
         self._lanes: dict[bytes, Lane] = {}  # identity -> its latest step's lane
-        self._tables: dict[bytes, tuple[AdmittedPeer, PeerLayers]] = {}  # derived once per admitted peer
+        self._tables: dict[int, tuple[AdmittedPeer, PeerLayers]] = {}  # id(peer) -> what lanes need of it
 
     def learn_peer(self, peer: AdmittedPeer) -> None:
         """Validate and describe a new peer's layouts now, not on the first layer of a step."""
@@ -148,6 +148,12 @@ class LayerReader:
         self._plans.learn_pairs(
             (name, layout, self._layers[name]) for name, layout in peer.layers.items() if name in self._layers
         )
+        if self.lanes:  # derived at admission, not on a step's first layer
+            if len(self._tables) >= 2 * len(self._peers) + 8:  # peers come and go: keep the admitted ones
+                admitted = {id(p) for p in self._peers.values()}
+                self._tables = {k: e for k, e in self._tables.items() if k in admitted}
+                self._lanes = {i: lane for i, lane in self._lanes.items() if id(lane.peer) in admitted}
+            self._tables[id(peer)] = (peer, PeerLayers(peer.layers, self._layers, peer.regions, self._regions))
 
     def on_ready(self, identity: bytes, batch: protocol.ReadReadyBatch) -> None:
         lane = self._lanes.get(identity)
@@ -215,12 +221,9 @@ class LayerReader:
         peer = self._peers.get(identity)
         if peer is None:
             return
-        if len(self._tables) > 2 * len(self._peers) + 8:  # peers come and go: keep only the admitted ones
-            self._tables = {i: e for i, e in self._tables.items() if self._peers.get(i) is e[0]}
-            self._lanes = {i: e for i, e in self._lanes.items() if self._peers.get(i) is e.peer}
-        entry = self._tables.get(identity)
+        entry = self._tables.get(id(peer))
         if entry is None or entry[0] is not peer:
-            entry = self._tables[identity] = (peer, PeerLayers(peer.layers, self._layers, peer.regions, self._regions))
+            return  # learnt while lanes were off
         with self._changed:
             token = self._tracker.peer_token(identity)
         lane = Lane.of(
