@@ -34,7 +34,9 @@ from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.kv_groups import check_groups
 from rd2h.vllm.metadata import StepMetadata
 from rd2h.vllm.parallel import check_parallel, decode_stages, pipeline_stage, port_rank
+from rd2h.vllm.params import PARAMS_KEY
 from rd2h.vllm.scheduler import RD2HScheduler
+from rd2h.vllm.state_groups import PromptTruncation, check_state_engine
 from rd2h.vllm.stats import RD2HStats, SchedulerTally, build_prom_metrics
 from rd2h.vllm.vouch import load_secret
 from rd2h.vllm.worker import RD2HWorker
@@ -180,6 +182,13 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         dp_rank = port_rank(parallel)
         # every KV cache group is pulled or the engine does not start (hybrid allocator, mamba...)
         check_groups(kv_cache_config, self.rd2h_config.mode)
+        state = check_state_engine(
+            kv_cache_config, pp=int(getattr(parallel, "pipeline_parallel_size", 1) or 1), tp=tp,
+            peer_tp=self.rd2h_config.peer_tp, handoff=self.rd2h_config.handoff_port is not None,
+            speculative=getattr(vllm_config, "speculative_config", None) is not None,
+        )  # fmt: skip
+        # a Mamba state: Prefill computes a request's prompt short of its last token (on_new_request)
+        self._truncation = PromptTruncation() if state and producer else None
         sizes = _block_sizes(vllm_config, kv_cache_config)
         kv_heads = _kv_heads(vllm_config.model_config)
         _check_topology(self.rd2h_config, tp, kv_heads)
@@ -195,7 +204,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
                 # a vLLM without the setting fails a failed load
                 load_failure_policy=str(getattr(transfer, "kv_load_failure_policy", "fail")),
-                engine_id=str(getattr(transfer, "engine_id", "") or ""),
+                engine_id=str(getattr(transfer, "engine_id", "") or ""), state=state,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -247,7 +256,10 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.worker.save_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        """Sends are asynchronous: the blocks stay held until finished-sending."""
+        """Sends are asynchronous: the blocks stay held until finished-sending. The forward
+        ended: a Mamba layer's slot is announced now (vLLM calls no save hook for it)."""
+        if self._worker is not None:
+            self._worker.forward_done()
 
     def wait_for_layer_send(self, layer_name: str) -> None:
         """vllm-ascend: before the layer's buffers are overwritten (layerwise Prefill)."""
@@ -295,6 +307,18 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # The per-request scheduler hooks settle what a request brings inside (rd2h.vllm.scheduler);
     # the guards here only keep an unforeseen bug from killing the engine: the request then
     # runs as a plain local one.
+
+    def on_new_request(self, request: Any) -> None:
+        """A Prefill request for rd2h proxy's Decode, with a Mamba state group: computed short
+        of its last prompt token, whose state Decode computes on the one it pulls."""
+        if self._truncation is None:
+            return
+        try:
+            params = getattr(request, "kv_transfer_params", None) or {}
+            if params.get("do_remote_decode") and PARAMS_KEY in params:
+                self._truncation.truncate(request)
+        except Exception:  # noqa: BLE001
+            log.exception("rd2h: request %s: cutting its prompt failed", getattr(request, "request_id", "?"))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
@@ -344,12 +368,16 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._matched.pop(request.request_id, None)
+        if self._truncation is not None:
+            self._truncation.finished(request.request_id)
         return self.scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._matched.pop(request.request_id, None)
+        if self._truncation is not None:
+            self._truncation.finished(request.request_id)
         return self.scheduler.request_finished(request, block_ids)
 
     # -- statistics (vLLM's KVConnectorStats: its log line and its /metrics) ----------------

@@ -13,9 +13,11 @@ KV; the worker registers slots, not layers (:func:`storage_slots`), and a reques
 and destination lists are its groups' lists laid end to end (:func:`gather_blocks`). A
 sliding-window group keeps only the blocks its window still reads: vLLM frees the others
 (``null_block``, id 0); the blocks pulled are those vLLM allocated on Decode for the tokens
-it loads (:func:`pull_ranges`). A group of any other kind (mamba / linear-attention state,
-chunked local, ...) is refused at startup, naming its kind and layers, and never reaches a
-request.
+it loads (:func:`pull_ranges`). A Mamba state group (``MambaSpec``, ``mamba_cache_mode``
+'none') holds one block per request, the state after the tokens computed: it moves whole,
+alone or beside attention groups (:mod:`rd2h.vllm.state_groups`). A group of any other kind
+(linear-attention state, chunked local, a Mamba group in a mode not served...) is refused at
+startup, naming its kind and layers, and never reaches a request.
 
 Pure: reads vLLM's objects by their attributes and class names, imports no vLLM.
 """
@@ -29,10 +31,11 @@ from typing import Any
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import Mode
 from rd2h.vllm.pipeline import layer_index
+from rd2h.vllm.state_groups import is_state_spec, state_problem
 
 __all__ = [
     "GroupInfo", "check_groups", "layers_to_pull", "describe_groups", "spec_kind", "pulls_groups",
-    "transfer_tokens", "pull_ranges", "gather_blocks", "storage_slots", "NULL_BLOCK",
+    "transfer_tokens", "pull_ranges", "gather_blocks", "storage_slots", "NULL_BLOCK", "has_state",
 ]  # fmt: skip
 
 INDEXER_SUFFIX = ".indexer.k_cache"
@@ -88,6 +91,8 @@ def spec_kind(spec: Any) -> str:
 
 
 def _pullable(spec: Any) -> bool:
+    if is_state_spec(spec):
+        return state_problem(spec) is None
     return all(type(one).__name__ in _PULLABLE for one in _inner_specs(spec))
 
 
@@ -107,6 +112,8 @@ class GroupInfo:
     pullable: bool
     window: int = 0  # a sliding window's tokens (0: the group keeps every block)
     retained: int = 0  # tokens kept below the window (vLLM's extra_retained_tokens)
+    state: bool = False  # a Mamba state group: one block per request, the state after its tokens
+    problem: str = ""  # why a group of a pullable kind is not pulled in this configuration
 
 
 def describe_groups(kv_cache_config: Any) -> list[GroupInfo]:
@@ -120,6 +127,7 @@ def describe_groups(kv_cache_config: Any) -> list[GroupInfo]:
                 block_size=int(getattr(spec, "block_size", 0) or 0),
                 transfers=bool(getattr(group, "enable_kv_transfer", True)), pullable=_pullable(spec),
                 window=_window(spec), retained=int(getattr(spec, "extra_retained_tokens", 0) or 0),
+                state=is_state_spec(spec), problem=(state_problem(spec) or "") if is_state_spec(spec) else "",
             )
         )  # fmt: skip
     return infos
@@ -146,11 +154,18 @@ def _indexer(info: GroupInfo) -> bool:
     return bool(info.layers) and all(n.endswith(INDEXER_SUFFIX) for n in info.layers)
 
 
+def has_state(infos: Sequence[GroupInfo]) -> bool:
+    """A Mamba state group is among them: each request then moves whole, Prefill computing
+    all prompt tokens but the last (:mod:`rd2h.vllm.state_groups`)."""
+    return any(info.state for info in infos)
+
+
 def pulls_groups(infos: list[GroupInfo], mode: Mode) -> list[GroupInfo]:
     """The groups a request's block ids are pulled for in ``dense`` mode with several groups
-    (vLLM's hybrid allocator: the scheduler side knows only their count), in vLLM's order,
-    leaving out those vLLM rebuilds itself; [] otherwise (one group, or ``sfa``)."""
-    if mode is not Mode.DENSE or len(infos) < 2:
+    (vLLM's hybrid allocator: the scheduler side knows only their count) or a Mamba state
+    group, in vLLM's order, leaving out those vLLM rebuilds itself; [] otherwise (one
+    attention group, or ``sfa``)."""
+    if mode is not Mode.DENSE or (len(infos) < 2 and not has_state(infos)):
         return []
     return [info for info in infos if info.transfers]
 
@@ -175,9 +190,13 @@ def pull_ranges(groups: Sequence[GroupInfo], tokens: int, first_token: int) -> l
     """Per group, the block positions ``[start, end)`` that move for a request whose first
     ``tokens`` tokens are pulled, Decode holding the first ``first_token`` of them already (its
     prefix-cache hit): from the first position the group keeps (a window frees the ones before)
-    or the hit, to the last block the tokens reach. Both sides compute the same ranges."""
+    or the hit, to the last block the tokens reach. A Mamba state group moves its one block
+    (the state after those tokens) whenever any token moves. Both sides compute the same ranges."""
     ranges = []
     for info in groups:
+        if info.state:
+            ranges.append((0, 1 if tokens > 0 else 0))
+            continue
         size = info.block_size
         end = -(-tokens // size)
         start = max(_skipped_tokens(info, tokens) // size, first_token // size)
@@ -251,7 +270,11 @@ def check_groups(kv_cache_config: Any, mode: Mode) -> list[GroupInfo]:
     for info in infos:
         if not info.transfers:
             continue
-        if info.index not in pulled:
+        if info.state and (info.problem or mode is not Mode.DENSE):
+            why = info.problem or f"rd2h {mode.value} mode (a Mamba state is pulled in 'dense' mode only)"
+            problems.append(f"group {info.index} ({info.kind}, {len(info.layers)} layers: {_short(info.layers)}) "
+                            f"cannot be transferred with {why}")  # fmt: skip
+        elif info.index not in pulled:
             problems.append(f"group {info.index} ({info.kind}, {len(info.layers)} layers: {_short(info.layers)}) "
                             f"has block ids of its own that rd2h {mode.value} mode does not pull")  # fmt: skip
         elif not (info.pullable and (not info.window or (mode is Mode.DENSE and len(infos) > 1))) and not (

@@ -115,11 +115,12 @@ class RD2HScheduler(LateSends):
         asker: Any = None,
         clock: Callable[[], float] = time.time,
         stages: tuple[int, ...] = (),
+        state: bool = False,  # a Mamba state group: every request moves whole, Prefill's prompt cut by one
     ) -> None:
         self.config = config
         self.consumer, self.producer = consumer, producer
         self.block_sizes = tuple(block_sizes)
-        self._whole = config.mode is Mode.DENSE and len(self.block_sizes) > 1
+        self._whole = config.mode is Mode.DENSE and (len(self.block_sizes) > 1 or state)
         self.world_size = world_size
         self._secret, self._clock = secret, clock
         self._prefix_caching = prefix_caching  # samples > 0 reuse sample 0's pull through it

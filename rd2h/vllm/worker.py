@@ -29,11 +29,12 @@ from rd2h.outcome import Outcome, TerminalState
 from rd2h.staging.choice import WorkerStaging
 from rd2h.tensors import LayerTensors, layer_layout, record_event
 from rd2h.vllm.config import ConnectorConfig, Mode
-from rd2h.vllm.kv_groups import check_groups, gather_blocks, layers_to_pull, pulls_groups, transfer_tokens
+from rd2h.vllm.kv_groups import check_groups, gather_blocks, has_state, layers_to_pull, pulls_groups, transfer_tokens
 from rd2h.vllm.layer_caches import block_first, split_layers
 from rd2h.vllm.metadata import StepMetadata, WorkerReport
 from rd2h.vllm.parallel import model_layers, pipeline_stage
 from rd2h.vllm.slots import SlotBook
+from rd2h.vllm.state_groups import page_view
 from rd2h.vllm.stats import RD2HStats, WorkerTally
 from rd2h.wire.endpoint import DecodeEndpoint
 
@@ -69,6 +70,7 @@ class RD2HWorker:
         # vLLM's KV cache groups: registration refuses a layer no pulled group covers
         self.kv_groups = check_groups(kv_cache_config, config.mode)
         self._groups = pulls_groups(self.kv_groups, config.mode)  # several: each request moves whole, by slot
+        self._state = has_state(self.kv_groups)  # a Mamba state: Prefill computed the prompt short of its last token
         self._slots: SlotBook | None = None
         self._virtual: dict[str, tuple[int, int]] = {}  # ext id -> (prompt tokens, tokens of its flat list)
         self.consumer, self.producer = consumer, producer
@@ -103,7 +105,11 @@ class RD2HWorker:
         pulled = layers_to_pull(self.kv_groups, kv_caches, self.config.mode)  # raises for a stray layer
         if self._groups:
             self._slots = SlotBook({n: kv_caches[n] for n in pulled}, num_blocks, self._groups)
-            self._tensors = {s: LayerTensors(main=block_first(kv_caches[s], num_blocks[s])) for s in self._slots.members}
+            self._tensors = {
+                s: LayerTensors(main=[page_view([kv_caches[n] for n in sorted(names)], num_blocks[s])]
+                                if s in self._slots.state_slots else block_first(kv_caches[s], num_blocks[s]))
+                for s, names in self._slots.members.items()
+            }  # fmt: skip
         else:
             self._tensors = split_layers({n: kv_caches[n] for n in pulled}, num_blocks, self.config.mode)
         layouts = {
@@ -125,7 +131,8 @@ class RD2HWorker:
             self.tally.watch(self.sink)
         if self.producer:
             extra: dict[str, Any] = {}
-            if len(self.block_sizes) > 1 and _accepts(KVSource, "indexer_block_size"):
+            # sfa's indexer group (dense groups of other block sizes go as one flat list: _flat)
+            if cfg.mode is Mode.SFA and len(self.block_sizes) > 1 and _accepts(KVSource, "indexer_block_size"):
                 extra["indexer_block_size"] = self.block_sizes[1]
             extra.update(pipeline_stage())  # a pipeline stage's mf_meta says which stage it is
             extra["model_layers"] = model_layers(layouts)  # a Decode with stages gets each layer from its stage
@@ -151,9 +158,12 @@ class RD2HWorker:
 
     def _flat(self, blocks: Any, num_tokens: int, first_block: int, *, decode: bool) -> tuple[list[int], int]:
         """Several groups: a request's block ids of every group end to end, and the tokens that
-        many blocks hold (what the runtimes count by). ValueError: vLLM's allocation lacks some."""
+        many blocks hold (what the runtimes count by). ValueError: vLLM's allocation lacks some.
+        Both sides move all of Decode's prompt tokens but the last: with a Mamba state group
+        Prefill's prompt was cut to those already (rd2h.vllm.state_groups)."""
         size = self.block_sizes[0]
-        flat = gather_blocks(self._groups, blocks, transfer_tokens(num_tokens), first_block * size, decode=decode)
+        moved = num_tokens if self._state and not decode else transfer_tokens(num_tokens)
+        flat = gather_blocks(self._groups, blocks, moved, first_block * size, decode=decode)
         return flat, len(flat) * size
 
     def _with_heads(self, name: str, tensors: LayerTensors, layout: Any) -> Any:
@@ -286,6 +296,9 @@ class RD2HWorker:
             self._send_req[spec.ext_id] = spec.req_id
             try:
                 main, tokens, first = spec.blocks[0], spec.num_tokens, spec.first_block
+                if self._state and (peer := DecodeEndpoint.parse(spec.endpoint).tp_size) != self.tp_size:
+                    raise ConfigError(f"a Mamba state moves only between equal TP: this Prefill has TP {self.tp_size}, "
+                                      f"the Decode TP {peer}")  # fmt: skip
                 if self._groups:  # the scheduler sends it whole, in the step that computes its last tokens
                     main, tokens = self._flat(spec.blocks, spec.num_tokens, first, decode=False)
                     first = 0
@@ -377,6 +390,17 @@ class RD2HWorker:
             self.source.layer_ready(layer_name, record_event(kv_layer))
         except Exception:  # noqa: BLE001
             log.exception("Prefill rank %d: layer %r could not be announced", self.rank, layer_name)
+
+    def forward_done(self) -> None:
+        """Prefill, after the step's forward (vLLM's ``wait_for_save``): announce the slots that
+        hold a Mamba layer, whose state the forward wrote without calling any save hook."""
+        if not self._sends or self._slots is None:
+            return
+        for slot in (s for s in self._tensors if s in self._slots.state_slots):
+            try:
+                self.source.layer_ready(slot, record_event(self._tensors[slot].main[0]))
+            except Exception:  # noqa: BLE001
+                log.exception("Prefill rank %d: layer %r could not be announced", self.rank, slot)
 
     def step_done(self) -> None:
         self._sends = False

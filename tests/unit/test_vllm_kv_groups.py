@@ -93,7 +93,7 @@ def test_without_the_hybrid_allocator_every_layer_is_one_full_attention_group(mo
     assert layers_to_pull(infos, LAYERS, Mode.DENSE) == LAYERS
 
 
-def test_mamba_and_other_kinds_are_refused_by_name() -> None:
+def test_mamba_groups_not_served_and_other_kinds_are_refused_by_name() -> None:
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -103,13 +103,15 @@ def test_mamba_and_other_kinds_are_refused_by_name() -> None:
     )
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    mamba = MambaSpec(block_size=32, shapes=((4, 64), (2, 16, 16)), dtypes=(torch.float32, torch.float32))
+    # prefix caching's Mamba mode (a state per block position): refused; mode 'none' is pulled (test_vllm_mamba.py)
+    mamba = MambaSpec(block_size=32, shapes=((4, 64), (2, 16, 16)), dtypes=(torch.float32, torch.float32),
+                      mamba_cache_mode="align")  # fmt: skip
     kv = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(LAYERS[:2], full), KVCacheGroupSpec(["model.layers.2.mixer"], mamba)])  # fmt: skip
     with pytest.raises(ConfigError, match=r"group 1 \(mamba / linear-attention state, 1 layers: model.layers.2.mixer\)"):
         check_groups(kv, Mode.DENSE)
-    # a pure mamba model: group 0 holds state, not KV by position
-    with pytest.raises(ConfigError, match="mamba / linear-attention state.*a KV cache kind rd2h does not transfer"):
+    # a pure mamba model
+    with pytest.raises(ConfigError, match="mamba / linear-attention state.*cannot be transferred with mamba_cache_mode"):
         check_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                                    kv_cache_groups=[KVCacheGroupSpec(LAYERS, mamba)]), Mode.DENSE)  # fmt: skip
     local = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
