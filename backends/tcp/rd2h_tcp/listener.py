@@ -113,6 +113,7 @@ class TcpListener(Listener):
         self._ready: deque[_Conn] = deque()  # connections with frames waiting, in turn
         self._book = ConnectionBook(settings.max_unadmitted_connections)
         self._resume_below = max(1, settings.max_queued_bytes // 2)
+        self._inbox = memoryview(bytearray(_READ_BYTES))  # every recv lands here (see _read)
 
     def _bind_unix(self, sock: socket.socket, address: str, path: str) -> None:
         try:
@@ -203,16 +204,20 @@ class TcpListener(Listener):
             self._enforce()  # one at a time: the book never holds more than one over
 
     def _read(self, conn: _Conn) -> None:
+        # into one buffer kept for the listener's life: ``recv(n)`` allocates n bytes a call and
+        # gives back what the message did not fill; for 256 KiB that took ~25 us a message here
+        inbox = self._inbox
         try:
-            data = conn.sock.recv(_READ_BYTES)
+            n = conn.sock.recv_into(inbox)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self._close(conn)
             return
-        if not data:
+        if not n:
             self._close(conn)
             return
+        data = inbox[:n].tobytes()
         reader = conn.reader
         frames = reader.feed(data)
         if frames:
