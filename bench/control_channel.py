@@ -19,8 +19,10 @@ machine's load does not always favour the same arm):
 
 With ``--baseline DIR`` (an older checkout: ``git worktree add --detach DIR COMMIT``) the two
 tiny-layer arms also run from it (``layer zmq @base``, ``layer tcp @base``), in the same rotation.
-Ratios are taken within a round (each p50 over the zmq ping-pong's p50 of that round), then the
-median over rounds is reported, with the range.
+Ratios are taken within a round (each p50 over the zmq ping-pong's p50 of that round, and over
+the plain socket ping-pong's), then the median over rounds is reported, with the range. Each
+round records the machine's load average when it starts (``load``), since on a shared 2-core
+machine it moves every figure.
 """
 
 from __future__ import annotations
@@ -114,13 +116,14 @@ def run_rounds(rounds: int, messages: int, layers: int, baseline: str | None = N
     results = []
     port = 7500 + (os.getpid() % 500) * 4
     for n in range(rounds):
-        row: dict[str, dict[str, float]] = {}
+        row: dict[str, dict[str, float]] = {"load": {"p50_us": os.getloadavg()[0]}}
         shift = n % len(arms)
         for label, arm in arms[shift:] + arms[:shift]:
             port += 2
             row[label] = arm(port)
         results.append(row)
-        print(f"round {n + 1}/{rounds}: " + ", ".join(f"{k} {v['p50_us']:.0f}" for k, v in row.items()) + " us p50",
+        arms_us = ", ".join(f"{k} {v['p50_us']:.0f}" for k, v in row.items() if k != "load")
+        print(f"round {n + 1}/{rounds} (load {row['load']['p50_us']:.1f}): {arms_us} us p50",
               file=sys.stderr, flush=True)
     return results
 
@@ -128,9 +131,13 @@ def run_rounds(rounds: int, messages: int, layers: int, baseline: str | None = N
 def summarize(rows: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Per arm: median p50 over rounds, and its ratio to the same round's zmq ping-pong."""
     out: dict[str, dict[str, float]] = {}
-    for label in rows[0]:
+    loads = [r["load"]["p50_us"] for r in rows if "load" in r]
+    if loads:
+        out["load"] = {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}
+    for label in (k for k in rows[0] if k != "load"):
         p50s = [r[label]["p50_us"] for r in rows]
         ratios = [r[label]["p50_us"] / r["zmq ping-pong"]["p50_us"] for r in rows]
+        over_socket = [r[label]["p50_us"] / r["socket ping-pong"]["p50_us"] for r in rows]
         over_zmq_channel = over_base = None
         if label.startswith("layer "):
             over_zmq_channel = statistics.median(r[label]["p50_us"] / r["layer zmq"]["p50_us"] for r in rows)
@@ -139,6 +146,8 @@ def summarize(rows: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, fl
         out[label] = {
             "p50_us": statistics.median(p50s), "p50_min_us": min(p50s), "p50_max_us": max(p50s),
             "over_zmq_pingpong": statistics.median(ratios), "over_min": min(ratios), "over_max": max(ratios),
+            "over_socket_pingpong": statistics.median(over_socket),
+            "over_socket_min": min(over_socket), "over_socket_max": max(over_socket),
             **({"over_layer_zmq": over_zmq_channel} if over_zmq_channel is not None else {}),
             **({"over_baseline": over_base} if over_base is not None else {}),
         }
@@ -159,11 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = run_rounds(args.rounds, args.messages, args.layers, args.baseline)
     summary = summarize(rows)
-    print(f"medians over {args.rounds} interleaved rounds (ratio: p50 / the same round's zmq ping-pong p50)")
-    print(f"  {'arm':<18}{'p50 us':>8}{'range':>14}{'ratio':>8}{'range':>14}")
+    print(f"medians over {args.rounds} interleaved rounds (ratios: p50 / the same round's ping-pong p50)")
+    if "load" in summary:
+        load = summary["load"]
+        print(f"  load average at the rounds' start: {load['min']:.1f}-{load['max']:.1f} (median {load['median']:.1f})")
+    print(f"  {'arm':<18}{'p50 us':>8}{'range':>14}{'/ zmq':>8}{'range':>14}{'/ socket':>9}{'range':>14}")
     for label, s in summary.items():
+        if label == "load":
+            continue
         print(f"  {label:<18}{s['p50_us']:>8.0f}{s['p50_min_us']:>7.0f}-{s['p50_max_us']:<6.0f}"
-              f"{s['over_zmq_pingpong']:>8.2f}{s['over_min']:>7.2f}-{s['over_max']:<6.2f}")
+              f"{s['over_zmq_pingpong']:>8.2f}{s['over_min']:>7.2f}-{s['over_max']:<6.2f}"
+              f"{s['over_socket_pingpong']:>9.2f}{s['over_socket_min']:>7.2f}-{s['over_socket_max']:<6.2f}")
     for label in (f"layer {c}" for c in CHANNELS if c != "zmq"):
         print(f"  {label} / layer zmq (same round), median: {summary[label]['over_layer_zmq']:.2f}")
     for label in (f"layer {c}" for c in CHANNELS if "over_baseline" in summary[f"layer {c}"]):
