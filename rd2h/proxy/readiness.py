@@ -51,6 +51,7 @@ def health_body(proxy: Proxy) -> dict[str, Any]:
     warmth = proxy.warmth
     return {
         "status": status, "ready": status == "ok", "pending": len(proxy.pending), "recomputed": proxy.recomputed,
+        "prefill_at_once": proxy.config.targets_url is not None,
         "warmup": {"enabled": proxy.config.warms_up, "ok": warmth.ok, "failed": warmth.failed,
                    "pairs": warmth.describe(prefills, decodes) if proxy.config.warms_up else []},
         "prefill": [i.describe() for i in prefills],

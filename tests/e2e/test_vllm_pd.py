@@ -414,15 +414,22 @@ def test_prefill_killed_mid_transfer(cluster: Any, baseline: list[list[int]], tm
     thread.join(90)
     assert not thread.is_alive(), "the client got no answer within 90 s of the kill"
     health = httpx.get(cluster.url("proxy") + "/health", timeout=5).json()
+    # Sequential flow: Prefill's leg is still open at the kill, so the proxy acts (502; a Decode
+    # computing the prompt). Prefill at once: its leg was usually answered before the kill, and
+    # whichever sees the death first acts: Decode's pull (vLLM's policy: its error, or Decode
+    # computes the prompt) or the proxy, which watches that Prefill until Decode answers.
+    by_proxy = health["recomputed"] - recomputed_before
     if policy == "fail":
-        assert result["status"] == 502 and "rd2h_proxy_error" in result["body"], result["body"]
+        seen_by = (502,) if not health["prefill_at_once"] else (500, 502)
+        assert result["status"] in seen_by, result["body"]
+        assert result["status"] == 500 or "rd2h_proxy_error" in result["body"], result["body"]
         assert time.monotonic() - killed < 30
-        assert health["recomputed"] == recomputed_before
+        assert by_proxy == 0
     else:
         assert result["status"] == 200, result["body"]
         assert _tokens(result["response"]) == [baseline[2]]
-        assert health["recomputed"] == recomputed_before + 1
-        assert "recomputed" in last_record(cluster)
+        assert by_proxy == 1 or (health["prefill_at_once"] and by_proxy == 0)
+        assert (by_proxy == 1) == ("recomputed" in last_record(cluster))
     assert health["pending"] == 0
     # Decode dropped that pull (its blocks freed) and keeps serving
     assert complete(cluster.url("decode"), PROMPTS[:1], max_tokens=4)[0]

@@ -46,7 +46,8 @@ def test_a_prefill_gone_after_its_leg_answered_fails_the_request_at_once() -> No
         response = await answered_then_killed(client, engines, {"model": "m", "prompt": "a"})
         assert response.status_code == 502, response.text
         assert "went down before Decode had the request's KV" in response.text
-        assert (await client.get("/health")).json()["pending"] == 0
+        health = (await client.get("/health")).json()
+        assert health["pending"] == 0 and health["prefill_at_once"] is True  # tests tell the flows apart by it
         assert engines.decode_bodies[0]["kv_transfer_params"]["do_remote_prefill"]
 
     run(scenario, targets_url=URL)
@@ -69,3 +70,10 @@ def test_a_streamed_request_gets_an_error_event() -> None:
         assert response.status_code == 502 or "rd2h_proxy_error" in response.text, response.text
 
     run(scenario, targets_url=URL)
+
+
+def test_health_says_the_sequential_flow_is_not_at_once() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        assert (await client.get("/health")).json()["prefill_at_once"] is False
+
+    run(scenario)
