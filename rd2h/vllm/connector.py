@@ -80,11 +80,13 @@ def _log_like_vllm() -> None:
 
 def _kv_heads(model_config: Any) -> int | None:
     """The model's KV heads where the paged cache is split by them (dense GQA/MHA); None for
-    MLA (one latent, the same on every rank) or a model config that does not say."""
+    MLA (one latent, the same on every rank), a model without attention layers (pure Mamba) or
+    a model config that does not say."""
     if bool(getattr(model_config, "use_mla", False)):
         return None
     total = getattr(model_config, "get_total_num_kv_heads", None)
-    return int(total()) if callable(total) else None
+    heads = int(total()) if callable(total) else 0
+    return heads or None  # 0: no attention layer (a pure Mamba model), nothing split by KV heads
 
 
 def _check_topology(config: ConnectorConfig, tp: int, kv_heads: int | None) -> None:

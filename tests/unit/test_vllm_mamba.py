@@ -313,3 +313,18 @@ def test_prefill_refuses_to_send_a_state_to_a_decode_of_another_tp(model: Path) 
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_pure_mamba_model_has_no_kv_heads_to_split(tmp_path: Path) -> None:
+    """vLLM's model config counts 0 KV heads for a model without attention layers: nothing is
+    split by heads (a head range of 0 heads stopped the engine: total KV heads must be >= 1)."""
+    from transformers import Mamba2Config
+    from vllm.config import ModelConfig
+
+    from rd2h.vllm.connector import _kv_heads
+
+    Mamba2Config(hidden_size=128, num_hidden_layers=2, state_size=16, expand=2, num_heads=8, head_dim=32, n_groups=1,
+                 vocab_size=1000).save_pretrained(tmp_path)  # fmt: skip
+    config = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                         enforce_eager=True)  # fmt: skip
+    assert config.get_total_num_kv_heads() == 0 and _kv_heads(config) is None
