@@ -117,8 +117,9 @@ class PromptTruncation:
         if not isinstance(tokens, list) or len(tokens) < 2 or getattr(request, "prompt_embeds", None) is not None:
             self.refused += 1
             log.warning(
-                "request %s: its prompt (%s tokens%s) cannot be computed short of its last token, so the Mamba state "
-                "sent would not be the one Decode continues from; sent as it is (%d such requests so far)", req_id,
+                "request %s: its prompt (%s tokens%s) cannot be computed short of its last token, the Mamba state "
+                "Decode continues from; it is computed whole (Decode loads no token of a one-token prompt; %d such "
+                "requests so far)", req_id,
                 len(tokens) if isinstance(tokens, list) else "no", ", embeddings" if tokens is not None else "",
                 self.refused,
             )  # fmt: skip
