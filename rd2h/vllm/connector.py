@@ -338,9 +338,26 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             if matched and not num_external_tokens:
                 self._load_not_taken(request, matched)
                 return
+            if self._uncut(request):
+                return
             self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception:  # noqa: BLE001
             log.exception("rd2h: request %s: error after allocation", getattr(request, "request_id", "?"))
+
+    def _uncut(self, request: Any) -> bool:
+        """A Mamba model's Prefill leg whose prompt was not cut short of its last token (a vLLM
+        that never called ``on_new_request``, a prompt that cannot be cut): the state it holds
+        is one token past the one Decode continues from, so it is not sent (computed as a plain
+        request, its refusal logged and counted once; Decode fails it on its deadline)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if self._truncation is None or request.request_id in self._truncation:
+            return False
+        if not (params.get("do_remote_decode") and PARAMS_KEY in params):
+            return False
+        if self._truncation.uncut_once(request.request_id):
+            self.scheduler._refuse(request.request_id, "a Mamba model's prompt that was not computed short of its "
+                                   "last token: the state it holds is not the one Decode continues from")  # fmt: skip
+        return True
 
     def _load_not_taken(self, request: Any, matched: int) -> None:
         """rd2h said it would pull ``matched`` tokens, and vLLM allocated the request without

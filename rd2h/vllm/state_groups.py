@@ -105,6 +105,7 @@ class PromptTruncation:
 
     def __init__(self) -> None:
         self._done: set[str] = set()
+        self._uncut: set[str] = set()  # not cut, refused to send (said once)
         self.refused = 0
 
     def truncate(self, request: Any) -> bool:
@@ -131,8 +132,17 @@ class PromptTruncation:
         self._done.add(req_id)
         return True
 
+    def uncut_once(self, req_id: str) -> bool:
+        """``req_id`` was not cut (a vLLM without ``on_new_request``, a prompt that cannot be):
+        True the first time it is asked, so that its refusal is logged and counted once."""
+        if req_id in self._uncut:
+            return False
+        self._uncut.add(req_id)
+        return True
+
     def finished(self, req_id: str) -> None:
         self._done.discard(req_id)
+        self._uncut.discard(req_id)
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._done

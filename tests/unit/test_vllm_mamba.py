@@ -328,3 +328,20 @@ def test_a_pure_mamba_model_has_no_kv_heads_to_split(tmp_path: Path) -> None:
     config = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
                          enforce_eager=True)  # fmt: skip
     assert config.get_total_num_kv_heads() == 0 and _kv_heads(config) is None
+
+
+def test_a_prefill_leg_whose_prompt_was_not_cut_is_not_sent(model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A vLLM that never calls on_new_request: the state Prefill would send is one token past
+    the one Decode continues from; refused (logged, counted once), never sent."""
+    scheduler = state_scheduler(model, "kv_producer")
+    connector = scheduler.connector
+    connector.on_new_request = lambda request: None  # as an older vLLM: the hook is never called
+    req, prompt = "cmpl-u-0-abcdef12", 40
+    scheduler.add_request(make_request(req, prompt, prefill_params("u", "10.0.0.2:5600/1"), max_tokens=1))
+    assert scheduler.requests[req].num_prompt_tokens == prompt
+    out = scheduler.schedule()
+    assert not meta_of(out).send_new and not meta_of(out).computed
+    scheduler.update_from_output(out, runner_output(out, sampled={req: 7}))
+    assert not meta_of(scheduler.schedule()).send_finish
+    assert connector.scheduler.stats["refused_params"] == 1 and "not computed short of its last token" in caplog.text
+    scheduler.connector.shutdown()
