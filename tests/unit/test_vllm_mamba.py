@@ -345,3 +345,23 @@ def test_a_prefill_leg_whose_prompt_was_not_cut_is_not_sent(model: Path, caplog:
     assert not meta_of(scheduler.schedule()).send_finish
     assert connector.scheduler.stats["refused_params"] == 1 and "not computed short of its last token" in caplog.text
     scheduler.connector.shutdown()
+
+
+def test_the_connector_starts_with_a_mamba_group_and_refuses_what_it_does_not_serve(model: Path) -> None:
+    """The engine's own constructor: a Prefill with hand-off (vLLM's P/D convention) or prefix
+    caching's Mamba mode does not start, with the reason; without them it starts."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from rd2h.vllm.connector import RD2HConnector
+
+    config = config_for(model, "kv_producer")
+    connector = RD2HConnector(config, KVConnectorRole.SCHEDULER, kv_config(config))
+    try:
+        assert connector.scheduler._whole and connector._truncation is not None
+    finally:
+        connector.shutdown()
+    with pytest.raises(ConfigError, match=r"cannot be transferred with mamba_cache_mode 'align'"):
+        RD2HConnector(config, KVConnectorRole.SCHEDULER, kv_config(config, mamba_cache_mode="align"))
+    config.kv_transfer_config.kv_connector_extra_config["handoff_port"] = free_base_port(1)
+    with pytest.raises(ConfigError, match=r"Mamba state group with handoff_port"):
+        RD2HConnector(config, KVConnectorRole.SCHEDULER, kv_config(config))
