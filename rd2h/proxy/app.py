@@ -51,7 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
 from rd2h.proxy.early import all_heard, answer_targets, prefill_owes
 from rd2h.proxy.failures import EngineError, NoInstance, PrefillFailed, RendezvousTimeout, cancel, failure, settle
-from rd2h.proxy.instances import Instance, Pool
+from rd2h.proxy.instances import Instance, Pool, gone_for_good
 from rd2h.proxy.metrics import ProxyMetrics
 from rd2h.proxy.readiness import note_readiness
 from rd2h.proxy.warmup import PairTable, warm_up_pairs
@@ -189,7 +189,7 @@ class Proxy:
                 response = await self.client.send(request, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 instance.outstanding -= 1
-                pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
+                pool.mark_down(instance, f"{type(exc).__name__}: {exc}", dead=gone_for_good(exc))
                 log.warning("%s: %s (attempt %d)", url, exc, attempt + 1)
                 if attempt == self.config.retries or pending.pinned:
                     error = NoInstance if not pool.any_up() else EngineError
@@ -199,7 +199,7 @@ class Proxy:
                 continue
             except httpx.TransportError as exc:  # it had the request: do not send it twice
                 instance.outstanding -= 1
-                pool.mark_down(instance, f"{type(exc).__name__} while it held a request")
+                pool.mark_down(instance, f"{type(exc).__name__} while it held a request", dead=gone_for_good(exc))
                 raise EngineError(f"{url}: {type(exc).__name__}: {exc}") from exc
             except BaseException:  # cancelled: the request is no longer outstanding there
                 instance.outstanding -= 1

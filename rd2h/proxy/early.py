@@ -15,8 +15,9 @@ targets came later, or the transfer is still under way). Until Decode answers, t
 still owes the request its KV, and Decode learns of a Prefill only from its first announcement:
 one that dies before that reaches Decode (waiting for its targets, or its first layer still
 queued on a connection not up yet) is seen by nobody but the proxy. So the Prefill part of the
-request (:func:`prefill_owes`) waits, after the leg, for the instance that answered it to go
-down (a health check or a connect error): the request then fails as a failed Prefill leg does
+request (:func:`prefill_owes`) waits, after the leg, for the instance that answered it to be
+found gone (a health check or a call refused, or a connection it dropped; a timeout, which a
+loaded but live engine gives, fails nothing): the request then fails as a failed Prefill leg does
 (502, or Decode computes the prompt under its ``recompute`` policy) instead of waiting for
 Decode's ``request_timeout``. Decode's first byte ends the wait: it had the KV whole.
 """
@@ -81,7 +82,7 @@ async def answer_targets(proxy: Proxy, body: Any) -> Response:
 
 async def prefill_owes(pending: _Pending) -> None:
     """Prefill answered its leg before Decode answered: fail (PrefillFailed) if the instance that
-    answered it goes down meanwhile. Runs until cancelled (Decode answered: the proxy settles the
+    answered it is found gone meanwhile (``Pool.mark_down(dead=True)``). Runs until cancelled (Decode answered: the proxy settles the
     Prefill task) or until that instance goes down."""
     instance = pending.answered_by.get("prefill")
     if instance is None:

@@ -22,9 +22,15 @@ from typing import Any
 
 import httpx
 
-__all__ = ["Instance", "Pool"]
+__all__ = ["Instance", "Pool", "gone_for_good"]
 
 log = logging.getLogger("rd2h.proxy")
+
+
+def gone_for_good(exc: BaseException) -> bool:
+    """Whether a failed call says the engine's process is gone (refused, or a connection it
+    dropped), as opposed to slow (a timeout)."""
+    return isinstance(exc, (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError))
 
 
 @dataclass
@@ -81,12 +87,15 @@ class Pool:
         self._turn += 1
         return tied[self._turn % len(tied)]
 
-    def mark_down(self, instance: Instance, why: str) -> None:
+    def mark_down(self, instance: Instance, why: str, *, dead: bool = False) -> None:
+        """Out of rotation. ``dead``: the failure says the process is gone (its port refuses
+        connections, or it dropped one mid-answer), not merely slow: the requests it still owes
+        (:meth:`Instance.gone`) fail; a timeout on a loaded machine fails nothing in flight."""
         if instance.up:
             log.warning("%s %s is down: %s", self.role, instance.url, why)
             instance.epoch += 1
-            if instance._gone is not None and not instance._gone.done():
-                instance._gone.set_result(why)
+        if dead and instance._gone is not None and not instance._gone.done():
+            instance._gone.set_result(why)
         instance.up, instance.why_down = False, why
         if self.warm_up:
             instance.warm = False
@@ -116,7 +125,7 @@ class Pool:
         try:
             response = await client.get(instance.url + "/health", timeout=timeout)
         except httpx.HTTPError as exc:
-            self.mark_down(instance, f"health check: {type(exc).__name__}: {exc}")
+            self.mark_down(instance, f"health check: {type(exc).__name__}: {exc}", dead=gone_for_good(exc))
             return
         if response.status_code == 200:
             self.mark_up(instance)

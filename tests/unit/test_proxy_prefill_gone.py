@@ -17,19 +17,20 @@ URL = "http://proxy/internal/v1/rd2h/targets"
 BOUND = 30.0  # a hang's bound (the request waits for the test's events, never for time)
 
 
-def prefill_stops_answering(engines: Engines) -> None:
-    """From now on nothing reaches Prefill (killed): connections to it are refused."""
+def prefill_stops_answering(engines: Engines, error: Exception | None = None) -> None:
+    """From now on nothing reaches Prefill: connections to it are refused (killed), or ``error``."""
     async def handle(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
-            raise httpx.ConnectError("connection refused")
+            raise error or httpx.ConnectError("connection refused")
         return await engines(request)
 
     engines.public_proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
 
 
-async def answered_then_killed(client: httpx.AsyncClient, engines: Engines, body: dict[str, Any]) -> httpx.Response:
+async def answered_then_killed(client: httpx.AsyncClient, engines: Engines, body: dict[str, Any],
+                               request: asyncio.Task[httpx.Response] | None = None) -> httpx.Response:
     engines.decode_hangs = True  # posts its rendezvous, then waits for a KV that never comes
-    request = asyncio.create_task(client.post("/v1/completions", json=body))
+    request = request or asyncio.create_task(client.post("/v1/completions", json=body))
     await asyncio.wait_for(engines.prefilled.wait(), BOUND)  # Prefill answered its leg
     proxy = engines.public_proxy
     for _ in range(100_000):  # turns of the loop, no clock: Decode's rendezvous is posted by a task
@@ -77,3 +78,20 @@ def test_health_says_the_sequential_flow_is_not_at_once() -> None:
         assert (await client.get("/health")).json()["prefill_at_once"] is False
 
     run(scenario)
+
+
+def test_a_health_check_that_times_out_fails_nothing_in_flight() -> None:
+    """A live Prefill on a loaded machine may answer its health check late: out of rotation,
+    but the requests it owes go on; refused afterwards (killed), they fail."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        engines.decode_hangs = True
+        request = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "a"}))
+        await asyncio.wait_for(engines.prefilled.wait(), BOUND)
+        prefill_stops_answering(engines, httpx.ReadTimeout("timed out"))
+        await engines.public_proxy.check_health()
+        health = (await client.get("/health")).json()
+        assert not health["prefill"][0]["up"] and health["pending"] == 1 and not request.done()
+        response = await answered_then_killed(client, engines, {}, request)
+        assert response.status_code == 502 and "ConnectError" in response.text, response.text
+
+    run(scenario, targets_url=URL)
