@@ -19,16 +19,18 @@ says precisely what is wrong.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from rd2h.decode.receive_tracker import Admission
 from rd2h.errors import LayoutError
 from rd2h.layout.layers import LayerLayout, validate_layer
-from rd2h.layout.planning import LayerPlan
+from rd2h.layout.planning import LayerPlan, RequestRead
 from rd2h.layout.regions import RegionSet
+from rd2h.wire.protocol import ReadReadyBatch
 
 __all__ = ["Lane", "PeerLayers", "MAX_LANE_DESCRIPTORS"]
 
@@ -109,25 +111,23 @@ class Lane:
     )
 
     def __init__(
-        self, *, identity: bytes, peer: object, batch: object, admission: object, peer_token: object,
-        reads: object, rows: dict[str, int], local: Int64Array, remote: Int64Array, lengths: Int64Array,
-        requests: tuple[str, ...], nbytes: int, key: Hashable,
+        self, *, identity: bytes, peer: object, batch: ReadReadyBatch, admission: Admission, peer_token: object,
+        reads: Sequence[RequestRead], rows: dict[str, int], local: Int64Array, remote: Int64Array,
+        lengths: Int64Array, requests: tuple[str, ...], nbytes: int, key: Hashable,
     ) -> None:
-        self.identity, self.peer = identity, peer
-        self.reqs_bytes = batch.reqs_bytes  # type: ignore[attr-defined]
-        self.member = batch.group_member_idx  # type: ignore[attr-defined]
-        self.ratio = batch.tp_ratio  # type: ignore[attr-defined]
+        self.identity, self.peer = identity, peer  # peer: the AdmittedPeer the lane was made for
+        self.reqs_bytes, self.member, self.ratio = batch.reqs_bytes, batch.group_member_idx, batch.tp_ratio
         self.admission, self.peer_token, self.reads = admission, peer_token, reads
         self.rows, self.local, self.remote, self.lengths = rows, local, remote, lengths
         self.requests, self.nbytes, self.key = requests, nbytes, key
 
-    def fits(self, identity: bytes, batch: object) -> bool:
+    def fits(self, identity: bytes, batch: ReadReadyBatch) -> bool:
         return (
             identity == self.identity
-            and not batch.done_ext_ids  # type: ignore[attr-defined]
-            and batch.group_member_idx == self.member  # type: ignore[attr-defined]
-            and batch.tp_ratio == self.ratio  # type: ignore[attr-defined]
-            and batch.reqs_bytes == self.reqs_bytes  # type: ignore[attr-defined]
+            and not batch.done_ext_ids
+            and batch.group_member_idx == self.member
+            and batch.tp_ratio == self.ratio
+            and batch.reqs_bytes == self.reqs_bytes
         )
 
     def descriptors(self, layer_name: str) -> tuple[Int64Array, Int64Array, Int64Array] | None:
@@ -160,18 +160,17 @@ class Lane:
 
     @classmethod
     def of(
-        cls, *, identity: bytes, peer: object, batch: object, admission: object, peer_token: object, reads: object,
-        plan: LayerPlan, table: PeerLayers, nbytes: int, key: Hashable,
+        cls, *, identity: bytes, peer: object, batch: ReadReadyBatch, admission: Admission, peer_token: object,
+        reads: Sequence[RequestRead], plan: LayerPlan, table: PeerLayers, nbytes: int, key: Hashable,
     ) -> Lane | None:
         """A lane from the clean plan of ``batch``'s layer, or None where it cannot be moved."""
-        found = cls.offsets(plan, batch.layer_name, table)  # type: ignore[attr-defined]
+        found = cls.offsets(plan, batch.layer_name, table)
         if found is None:
             return None
         group, tensor, src_offsets, dst_offsets = found
-        remote = group.src_bases[:, tensor] + src_offsets  # type: ignore[attr-defined]
-        local = group.dst_bases[:, tensor] + dst_offsets  # type: ignore[attr-defined]
         return cls(
             identity=identity, peer=peer, batch=batch, admission=admission, peer_token=peer_token, reads=reads,
-            rows=group.rows, local=local, remote=remote, lengths=plan.lengths.copy(),  # type: ignore[attr-defined]
+            rows=group.rows, local=group.dst_bases[:, tensor] + dst_offsets,
+            remote=group.src_bases[:, tensor] + src_offsets, lengths=plan.lengths.copy(),
             requests=plan.requests, nbytes=nbytes, key=key,
         )
