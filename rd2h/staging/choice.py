@@ -135,7 +135,8 @@ class WorkerStaging:
 
     def counters(self) -> tuple[int, int]:
         """``(staged_bytes, landed_bytes)`` so far: bytes Prefill's mirror copied
-        device-to-host and Decode's landing copied host-to-device (0 where not staged)."""
+        device-to-host and Decode's landing copied host-to-device, counted as each copy is
+        seen complete (0 where not staged)."""
         return (
             0 if self.mirror is None else self.mirror.copied_bytes,
             0 if self.landing is None else self.landing.landed_bytes,

@@ -69,11 +69,14 @@ class DecodeLanding:
             raise ConfigError("staged tensors overlap")
         self.half = capacity_bytes // 2 // _PAGE * _PAGE
         self._landing = [self.device.pinned(self.half) for _ in range(2)]
-        self._used: list[Any] = [None, None]  # event of the device copy still reading each half
+        # per half: the event of the device copy still reading it, and the bytes that copy moves
+        self._used: list[tuple[Any, int] | None] = [None, None]
         self._units: dict[tuple[int, int], Any] = {}  # (tensor, unit bytes) -> its rows of that size
         self._stream = self.device.stream()
+        # Counted once a round's device copy is seen complete (read waits for each before it
+        # returns), not when it is queued: no wait of their own.
         self.landed_bytes = 0  # copied host-to-device so far (the staged path ran: worker stats)
-        self.rounds = 0  # landing-buffer rounds so far (one read and one device copy each)
+        self.rounds = 0  # landing-buffer rounds whose device copy completed (one read and one copy each)
 
     @classmethod
     def for_layers(cls, layers: Mapping[str, LayerTensors], *, force: bool = False, **options: Any) -> DecodeLanding | None:
@@ -136,8 +139,7 @@ class DecodeLanding:
             base = int(ends[start - 1]) if start else 0
             stop = max(int(np.searchsorted(ends, base + self.half, side="right")), start + 1)
             half = turn % 2
-            if self._used[half] is not None:  # its last device copy must have read it
-                self._used[half].synchronize()
+            self._settle(half)  # its last device copy must have read it
             buf = self._landing[half]
             offsets = ends[start:stop] - s_len[start:stop] - base
             dst = buf.data_ptr() + offsets
@@ -152,15 +154,22 @@ class DecodeLanding:
                 self._scatter(buf, offsets, s_local[start:stop], s_len[start:stop], s_tensor[start:stop])
             except Exception as exc:  # noqa: BLE001 - a device error fails the read, not the loop
                 raise TransferError(f"host-to-device copy failed: {type(exc).__name__}: {exc}") from exc
-            event = self.device.record(self._stream)
-            self._used[half] = None if event is DONE else event
-            self.landed_bytes += int(s_len[start:stop].sum())
-            self.rounds += 1
+            self._used[half] = (self.device.record(self._stream), int(s_len[start:stop].sum()))
             start, turn = stop, turn + 1
-        for event in self._used:
-            if event is not None:
-                event.synchronize()
-        self._used = [None, None]
+        self._settle(0)
+        self._settle(1)
+
+    def _settle(self, half: int) -> None:
+        """Wait for the device copy reading ``half`` (if any) and count it."""
+        used = self._used[half]
+        if used is None:
+            return
+        event, nbytes = used
+        self._used[half] = None  # a copy that failed fails this read, once: it is not counted
+        if event is not DONE:
+            event.synchronize()
+        self.landed_bytes += nbytes
+        self.rounds += 1
 
     def _scatter(self, buf: Any, offsets: np.ndarray, local: np.ndarray, lengths: np.ndarray, tensor: np.ndarray) -> None:
         """Copy each tensor's run of landed bytes to its place, one indexed copy per tensor."""

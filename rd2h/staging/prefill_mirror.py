@@ -19,6 +19,7 @@ backend names.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -47,6 +48,26 @@ class _Failed:
 
     def synchronize(self) -> None:
         raise RD2HError(f"staging copy failed: {type(self.error).__name__}: {self.error}")
+
+
+class _Counted:
+    """A copy's event that adds the copy to its mirror's counters when it is seen complete:
+    the Prefill runtime synchronizes every layer's event before it announces the layer, so
+    counting there costs no wait of its own."""
+
+    __slots__ = ("event", "mirror", "nbytes", "_counted")
+
+    def __init__(self, event: Any, mirror: PrefillMirror, nbytes: int) -> None:
+        self.event, self.mirror, self.nbytes, self._counted = event, mirror, nbytes, False
+
+    def synchronize(self) -> None:
+        self.event.synchronize()  # raises for a copy that failed: nothing counted
+        if not self._counted:
+            self._counted = True
+            self.mirror._count(self.nbytes)
+
+    def query(self) -> bool:
+        return bool(self.event.query())
 
 
 class PrefillMirror:
@@ -126,13 +147,18 @@ class PrefillMirror:
         self.indexer_limit = min(indexer) if indexer else self.main_limit
         self._stream = self.device.stream()
         self._copied: dict[str, Any] = {}  # layer -> event of its latest copy (the device rows are read until then)
-        self.copies = 0  # layer copies that moved bytes so far (the staged path ran: worker stats)
-        self.copied_bytes = 0  # bytes those copies moved device-to-host
+        # Counted when a copy is seen complete (its event synchronized), not when it is queued:
+        # the sender thread counts what it waited for, the caller what was done at once.
+        self._count_lock = threading.Lock()
+        self.copies = 0  # layer copies that moved bytes and completed (the staged path ran: worker stats)
+        self.copied_bytes = 0  # bytes those completed copies moved device-to-host
 
     def copy(self, layer_name: str, main_blocks: np.ndarray, indexer_blocks: np.ndarray, after: Any | None) -> Any | None:
         """Queue the copy of the layer's ``main_blocks`` / ``indexer_blocks`` (device ids)
         into rows ``0..n-1`` of its mirror slot, after ``after`` (the compute event; None:
-        written already). Returns the copy's event, or None where it is done already."""
+        written already). Returns the copy's event, or None where it is done already. The
+        copy counts in ``copies`` / ``copied_bytes`` once done: at once for a copy already
+        done, else when the returned event's ``synchronize`` returns."""
         stream = self._stream
         self.device.after(stream, after)
         nbytes = 0
@@ -141,11 +167,17 @@ class PrefillMirror:
             self.device.gather_to_host(stream, rows_dev, ids, rows_host)
             nbytes += len(ids) * int(rows_host.shape[1])
         event = self.device.record(stream)
-        if nbytes:
-            self.copies += 1
-            self.copied_bytes += nbytes
         self._copied[layer_name] = event
-        return None if event is DONE else event
+        if event is DONE:
+            self._count(nbytes)
+            return None
+        return _Counted(event, self, nbytes) if nbytes else event
+
+    def _count(self, nbytes: int) -> None:
+        if nbytes:
+            with self._count_lock:  # the caller's thread and the sender thread both count
+                self.copies += 1
+                self.copied_bytes += nbytes
 
     def release_device(self, layer_name: str) -> None:
         """Order the compute stream after the layer's latest copy, so it may overwrite the
