@@ -7,7 +7,8 @@ Two kinds of case:
   registration a region of a device type it does not declare, with a ``TransferError``
   naming the kind. The region is host memory labelled with that kind: the refusal must come
   from the capability check, before any native call could touch the memory;
-- where a device is: for every device type the engine declares, a read from a peer whose
+- where a device is: for every device type the engine moves as configured for the suite
+  (``memory_kinds_in_use``, and ``memory_kinds_for`` the peer's options), a read from a peer whose
   regions are on that device (``reads_from``) and a read into destinations on it
   (``writes_to``), every byte compared. Without such a device, or without torch to allocate
   there, these skip with the reason.
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
+from rd2h.engine_support import kinds_for_options
 from rd2h.errors import TransferError
 from rd2h.interfaces import MemoryKinds, Region, TransferEngine
 from rd2h.layout.regions import device_type
@@ -62,17 +64,25 @@ class DeviceCases:
 
     # -- where a device is -----------------------------------------------------------------
 
-    def _need_device(self, engine: type[TransferEngine], kind: str, side: str) -> None:
-        declared = getattr(engine.memory_kinds(), side)
-        if kind not in declared:
-            pytest.skip(f"{self.engine_name} does not declare {kind} memory in {side} ({sorted(declared)})")
+    def _need_device(self, engine: TransferEngine, kind: str, side: str) -> None:
+        """Skip unless the engine as configured for the suite moves ``kind`` memory on ``side``
+        (``memory_kinds_in_use``; for ``reads_from`` the peer's options count too: the peer
+        registers that memory) and such a device is here."""
+        kinds = [engine.memory_kinds_in_use()]
+        if side == "reads_from":
+            peer_options = self.engine_options_for(self.peer_role)  # type: ignore[attr-defined]
+            kinds.append(kinds_for_options(type(engine), peer_options))
+        moved = frozenset.intersection(*(getattr(k, side) for k in kinds))
+        name = f"{self.engine_name} as configured"
+        if kind not in moved:
+            pytest.skip(f"{name} does not move {kind} memory in {side} ({sorted(moved)})")
         missing = device_missing(kind)
         if missing:
-            pytest.skip(f"{self.engine_name} declares {kind} memory in {side}, but it cannot be tried here: {missing}")
+            pytest.skip(f"{name} moves {kind} memory in {side}, but it cannot be tried here: {missing}")
 
     @pytest.mark.parametrize("kind", DEVICE_TYPES)
     def test_reads_a_peer_whose_regions_are_on_a_device(self, reader: Reader, kind: str) -> None:
-        self._need_device(type(reader.engine), kind, "reads_from")
+        self._need_device(reader.engine, kind, "reads_from")
         with self.start_peer(seed=5, memory=f"{kind}:0") as peer:  # type: ignore[attr-defined]
             session = reader.engine.connect(peer.metadata)
             try:
@@ -88,7 +98,7 @@ class DeviceCases:
 
     @pytest.mark.parametrize("kind", DEVICE_TYPES)
     def test_writes_destinations_on_a_device(self, reader: Reader, peer: PeerProcess, kind: str) -> None:
-        self._need_device(type(reader.engine), kind, "writes_to")
+        self._need_device(reader.engine, kind, "writes_to")
         from rd2h.tensors import memory_kind
 
         size = len(reader.dest) // 2
