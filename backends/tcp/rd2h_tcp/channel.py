@@ -44,7 +44,7 @@ class TcpChannel(ControlChannel):
         are taken (the kernel's buffer, then the peer's ``send_timeout``, hold the rest).
     ``max_unadmitted_connections`` (256)
         Connections a listener keeps open that carry no peer Decode admitted (``vouch``): the
-        zmq channel's policy (``rd2h_zmq.connection_book``: from a quarter of it on, refused,
+        policy the zmq channel uses too (``rd2h.connection_book``: from a quarter of it on, refused,
         forgotten, replaced and silent-for-a-second connections are closed; at the bound one
         more whatever its age; from the source holding the most), enforced here by closing
         the socket, which this listener owns. An admitted peer's connection is never closed.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import select
 import socket
@@ -24,6 +23,7 @@ from typing import ClassVar
 from rd2h.errors import ChannelError
 from rd2h.interfaces import Dialer
 from rd2h.quiet_log import quiet
+from rd2h.wake_pipe import WakePipe
 from rd2h_tcp.addresses import parse
 from rd2h_tcp.framing import IDENTITY_BYTES, MAGIC, FrameReader, encode
 from rd2h_tcp.settings import Settings
@@ -69,10 +69,7 @@ class TcpDialer(Dialer):
         self._version = 0  # bumped when a link comes or goes: recv rebuilds its poll set
         self._polled = -1  # recv's thread only
         self._poller = select.poll()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._woken = False
+        self._wake = WakePipe()  # a kick: recv looks again; a wake: recv returns None
         self._inbox = memoryview(bytearray(_READ_BYTES))  # every recv lands here, under the lock (see _read)
 
     @property
@@ -167,7 +164,7 @@ class TcpDialer(Dialer):
                 if self._polled != self._version:  # a link came or went: wait on the new set
                     self._polled = self._version
                     self._poller = select.poll()
-                    self._poller.register(self._wake_r, select.POLLIN)
+                    self._poller.register(self._wake.fd, select.POLLIN)
                     for fd in self._by_fd:
                         self._poller.register(fd, _POLL_IN)
                 poller = self._poller
@@ -177,9 +174,8 @@ class TcpDialer(Dialer):
             with self._lock:
                 self._check_open()
                 for fd, _ in events:
-                    if fd == self._wake_r:
-                        _drain(self._wake_r)
-                        woken, self._woken = self._woken, False
+                    if fd == self._wake.fd:
+                        woken = self._wake.drain()
                         continue
                     link = self._by_fd.get(fd)
                     if link is not None:
@@ -219,16 +215,7 @@ class TcpDialer(Dialer):
 
     def wakeup(self) -> None:
         """Make a ``recv`` blocked in another thread return ``None`` now. Thread-safe."""
-        self._woken = True
-        self._kick()
-
-    def _kick(self) -> None:
-        if self._closed:  # the pipe's fd numbers may already belong to another file
-            return
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:  # full (a wake-up is pending) or closed
-            pass
+        self._wake.wake()
 
     def disconnect(self, address: str) -> None:
         """Close the connection to ``address``. Unknown: no-op. Thread-safe."""
@@ -242,14 +229,14 @@ class TcpDialer(Dialer):
         self._links[link.address] = link
         self._by_fd[link.fd] = link
         self._version += 1
-        self._kick()  # a recv in another thread starts waiting on this connection too
+        self._wake.kick()  # a recv in another thread starts waiting on this connection too
 
     def _drop(self, link: _Link) -> None:  # under the lock
         if self._links.get(link.address) is link:
             del self._links[link.address]
             del self._by_fd[link.fd]
             self._version += 1
-            self._kick()
+            self._wake.kick()
         link.sock.close()
 
     def close(self) -> None:
@@ -261,19 +248,10 @@ class TcpDialer(Dialer):
             for link in list(self._links.values()):
                 self._drop(link)
             self._closed = True
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._wake.close()
 
     def _check_open(self, link: _Link | None = None) -> None:
         if self._closed:
             if link is not None:
                 link.sock.close()
             raise ChannelError("dialer is closed")
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except OSError:
-        pass

@@ -19,8 +19,7 @@ import time
 from collections import deque
 from collections.abc import Hashable
 
-from rd2h_zmq.connection_book import ConnectionBook, Standing
-
+from rd2h.connection_book import ConnectionBook, Standing
 from rd2h.errors import ChannelError, PortInUseError
 from rd2h.interfaces import Listener
 from rd2h.quiet_log import quiet

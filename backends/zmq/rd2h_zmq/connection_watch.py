@@ -5,7 +5,7 @@ as long as the peer keeps it (1,100 refused peers: 27 -> 1,129 fds). libzmq does
 fd each connection has: its monitor reports every accepted connection (``EVENT_ACCEPTED``,
 also for peers that never send a message) and every one gone (``EVENT_DISCONNECTED``),
 and each received frame names the fd it came from (``ZMQ_SRCFD``). The
-:class:`~rd2h_zmq.connection_book.ConnectionBook` decides which to close; this shuts that
+:class:`~rd2h.connection_book.ConnectionBook` decides which to close; this shuts that
 fd down through a duplicate of it, so libzmq reads end-of-file, closes the connection
 itself and reports it gone. Before shutting, it checks that the fd is still the connection
 it was when accepted (same local and peer address): an fd closed without an event may
@@ -25,9 +25,8 @@ from collections.abc import Callable, Hashable
 
 import zmq
 
+from rd2h.connection_book import Connection, ConnectionBook, Standing
 from rd2h.quiet_log import quiet
-
-from rd2h_zmq.connection_book import Connection, ConnectionBook, Standing
 
 __all__ = ["ConnectionWatch"]
 

@@ -33,5 +33,5 @@ class Settings:
     # frames a listener queues from one peer: high_water_mark, lowered so that this many
     # frames of max_frame_bytes stay under max_queued_bytes (libzmq counts frames, not bytes)
     receive_high_water_mark: int = 1000
-    # connections a listener keeps open that carry no peer Decode admitted (connection_book)
+    # connections a listener keeps open that carry no peer Decode admitted (rd2h.connection_book)
     max_unadmitted_connections: int = 256

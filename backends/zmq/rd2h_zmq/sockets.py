@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import secrets
 import select
 import threading
@@ -35,6 +34,7 @@ import zmq
 from rd2h.errors import ChannelError, FrameTooLargeError, PortInUseError
 from rd2h.interfaces import Dialer, Listener
 from rd2h.quiet_log import quiet
+from rd2h.wake_pipe import WakePipe
 
 from rd2h_zmq.connection_watch import ConnectionWatch
 from rd2h_zmq.context import SharedContext
@@ -111,7 +111,7 @@ class ZmqListener(Listener):
     Connections are bounded too (``rd2h_zmq.connection_watch``): the listener watches every
     connection libzmq accepts and the connection each message came over, and keeps at most
     ``max_unadmitted_connections`` that carry no peer Decode admitted (``vouch``), shutting
-    strangers' down first (``rd2h_zmq.connection_book``). A
+    strangers' down first (``rd2h.connection_book``). A
     vouched peer's connection is never shut. ``vouch`` and ``disown`` run on the listener's
     thread, like ``recv``."""
 
@@ -326,12 +326,9 @@ class ZmqDialer(Dialer):
         self._poller = select.poll()
         self._polled: tuple[int, ...] | None = None
         self._next = 0  # where recv starts looking, so one busy endpoint cannot starve others
-        # A byte in this pipe makes a blocked recv look again; it returns None only when
-        # ``wakeup()`` asked for that (``_woken``), not for a kick from a send.
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._woken = False
+        # A kick makes a blocked recv look again; it returns None only when ``wakeup()``
+        # asked for that, not for a kick from a send.
+        self._wake = WakePipe()
 
     @property
     def routing_id(self) -> bytes:
@@ -357,7 +354,7 @@ class ZmqDialer(Dialer):
                 # the send may have consumed the fd's signal of a reply that arrived meanwhile
                 waiting = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         if waiting:
-            self._kick()
+            self._wake.kick()
 
     def recv(self, timeout: float) -> tuple[str, bytes] | None:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -368,15 +365,13 @@ class ZmqDialer(Dialer):
                 if self._fds != self._polled:  # a socket came or went: wait on the new set
                     self._polled = self._fds
                     self._poller = select.poll()
-                    for fd in (*self._fds, self._wake_r):
+                    for fd in (*self._fds, self._wake.fd):
                         self._poller.register(fd, select.POLLIN)
             if item is not None:
                 return item
             ready = _wait_readable(self._poller, _deadline_ms(deadline))
-            if any(fd == self._wake_r for fd, _ in ready):
-                self._drain_wakeups()
-                if self._woken:
-                    self._woken = False
+            if any(fd == self._wake.fd for fd, _ in ready):
+                if self._wake.drain():
                     return None
             elif not ready and time.monotonic() >= deadline:
                 return None
@@ -401,23 +396,7 @@ class ZmqDialer(Dialer):
 
     def wakeup(self) -> None:
         """Make a ``recv`` blocked in another thread return ``None`` now. Thread-safe."""
-        self._woken = True
-        self._kick()
-
-    def _kick(self) -> None:
-        if self._closed:  # the pipe's fd numbers may already belong to another file
-            return
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):  # the pipe is full (a wakeup is pending) or closed
-            pass
-
-    def _drain_wakeups(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
+        self._wake.wake()
 
     def disconnect(self, address: str) -> None:
         """Close the connection to ``address``, dropping what is queued. Unknown: no-op.
@@ -432,7 +411,7 @@ class ZmqDialer(Dialer):
         del self._addresses[sock]
         sock.close(linger=linger)
         self._fds = tuple(s.getsockopt(zmq.FD) for s in self._sockets.values())
-        self._kick()  # a recv waiting on the closed socket's fd looks at the new set
+        self._wake.kick()  # a recv waiting on the closed socket's fd looks at the new set
 
     def close(self) -> None:
         """Close every connection; frames still queued get ``_CLOSE_LINGER_MS`` to leave (the
@@ -444,8 +423,7 @@ class ZmqDialer(Dialer):
             for address in list(self._sockets):
                 self._drop(address, _CLOSE_LINGER_MS)
             self._closed = True
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._wake.close()
         self._shared.release()
 
     def _connect(self, address: str) -> zmq.Socket[bytes]:  # under the lock
@@ -468,7 +446,7 @@ class ZmqDialer(Dialer):
         self._sockets[address] = sock
         self._addresses[sock] = address
         self._fds = (*self._fds, sock.getsockopt(zmq.FD))
-        self._kick()  # a recv in another thread starts waiting on this socket too
+        self._wake.kick()  # a recv in another thread starts waiting on this socket too
         return sock
 
     def _check_open(self) -> None:

@@ -1,6 +1,10 @@
-"""Which connections of a listener to close: pure bookkeeping, no sockets.
+"""Which connections of a channel's listener to close: pure bookkeeping, no sockets.
 
-A ROUTER accepts every connection and keeps it (and its fd) for as long as the peer does;
+Shared by the channels whose listener pays for each connection (an fd): the zmq channel
+(``rd2h_zmq.connection_watch`` feeds it libzmq's monitor events) and the tcp channel (its
+listener owns the sockets). A channel plugin uses it from here, never from another plugin.
+
+A zmq ROUTER accepts every connection and keeps it (and its fd) for as long as the peer does;
 a DEALER reconnects by itself. So the bound is a policy over the connections open now:
 connections that do not carry a peer Decode admitted (``vouch``) are capped. Past a quarter
 of the cap (``soft``) the book closes those that had their chance: refused, forgotten or
@@ -18,8 +22,8 @@ pay before anyone else:
    Prefill in its handshake, whose replies must not be lost);
 3. within a class, the one there longest.
 
-A connection carrying a vouched identity is never chosen. The glue (``connection_watch``)
-feeds it libzmq's monitor events and the source fd of each message, and closes what
+A connection carrying a vouched identity is never chosen. The glue (the listener) feeds it
+each accepted and closed connection and the source fd of each message, and closes what
 ``next_to_close`` returns.
 """
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rd2h_zmq.connection_book import ConnectionBook, Standing
+from rd2h.connection_book import ConnectionBook, Standing
 
 HOST = ("host", "127.0.0.1")
 OTHER = ("host", "127.0.0.2")
