@@ -34,7 +34,7 @@ from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.kv_groups import check_groups
 from rd2h.vllm.metadata import StepMetadata
 from rd2h.vllm.parallel import check_parallel, decode_stages, pipeline_stage, port_rank
-from rd2h.vllm.params import PARAMS_KEY
+from rd2h.vllm.params import PARAMS_KEY, accept_later, accept_prefill
 from rd2h.vllm.scheduler import RD2HScheduler
 from rd2h.vllm.state_groups import PromptTruncation, check_state_engine
 from rd2h.vllm.stats import RD2HStats, SchedulerTally, build_prom_metrics
@@ -188,9 +188,12 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             kv_cache_config, pp=int(getattr(parallel, "pipeline_parallel_size", 1) or 1), tp=tp,
             peer_tp=self.rd2h_config.peer_tp, handoff=self.rd2h_config.handoff_port is not None,
             speculative=getattr(vllm_config, "speculative_config", None) is not None,
+            replay=bool(getattr(vllm_config.cache_config, "use_replayssm", False)),
+            layout=getattr(vllm_config.cache_config, "kv_cache_layout", None),
         )  # fmt: skip
         # a Mamba state: Prefill computes a request's prompt short of its last token (on_new_request)
         self._truncation = PromptTruncation() if state and producer else None
+        self._secret = secret  # the proxy's signature on a Prefill leg, checked before its prompt is cut
         sizes = _block_sizes(vllm_config, kv_cache_config)
         kv_heads = _kv_heads(vllm_config.model_config)
         _check_topology(self.rd2h_config, tp, kv_heads)
@@ -312,15 +315,30 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def on_new_request(self, request: Any) -> None:
         """A Prefill request for rd2h proxy's Decode, with a Mamba state group: computed short
-        of its last prompt token, whose state Decode computes on the one it pulls."""
+        of its last prompt token, whose state Decode computes on the one it pulls. Only params
+        the proxy signed for this leg cut it: anything else is left as the client sent it (the
+        scheduler refuses it at allocation, and the request is computed whole)."""
         if self._truncation is None:
             return
         try:
-            params = getattr(request, "kv_transfer_params", None) or {}
-            if params.get("do_remote_decode") and PARAMS_KEY in params:
+            if self._signed_prefill(request):
                 self._truncation.truncate(request)
         except Exception:  # noqa: BLE001
             log.exception("rd2h: request %s: cutting its prompt failed", getattr(request, "request_id", "?"))
+
+    def _signed_prefill(self, request: Any) -> bool:
+        """``request`` carries Prefill params the scheduler accepts (signed by the proxy, for
+        this leg and this request, in date), with their targets or targets to come."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if not (isinstance(params, dict) and params.get("do_remote_decode") and PARAMS_KEY in params):
+            return False
+        raw, req_id, now = params[PARAMS_KEY], request.request_id, self.scheduler._clock()
+        try:
+            if accept_later(self._secret, raw, req_id, now) is None:
+                accept_prefill(self._secret, raw, req_id, now)
+        except ValueError:
+            return False
+        return True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
@@ -345,18 +363,16 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.exception("rd2h: request %s: error after allocation", getattr(request, "request_id", "?"))
 
     def _uncut(self, request: Any) -> bool:
-        """A Mamba model's Prefill leg whose prompt was not cut short of its last token (a vLLM
-        that never called ``on_new_request``, a prompt that cannot be cut): the state it holds
-        is one token past the one Decode continues from, so it is not sent (computed as a plain
-        request, its refusal logged and counted once; Decode fails it on its deadline)."""
-        params = getattr(request, "kv_transfer_params", None) or {}
+        """A Mamba model's Prefill leg, signed, whose prompt was not cut short of its last token
+        (a vLLM that never called ``on_new_request``, a prompt that cannot be cut): the state it
+        holds is one token past the one Decode continues from, so it is not sent (computed as a
+        plain request, refused once: logged, counted in ``state_uncut``). Params that are not
+        signed are the scheduler's to refuse."""
         if self._truncation is None or request.request_id in self._truncation:
             return False
-        if not (params.get("do_remote_decode") and PARAMS_KEY in params):
+        if not self._signed_prefill(request):
             return False
-        if self._truncation.uncut_once(request.request_id):
-            self.scheduler._refuse(request.request_id, "a Mamba model's prompt that was not computed short of its "
-                                   "last token: the state it holds is not the one Decode continues from")  # fmt: skip
+        self._truncation.refuse(request.request_id, "on_new_request did not cut it")
         return True
 
     def _load_not_taken(self, request: Any, matched: int) -> None:
@@ -407,7 +423,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is not None:
             return self._worker.stats()
         if self._scheduler is not None:
-            return self._local.take({**self._scheduler.stats, "load_not_taken": self._not_taken})
+            uncut = self._truncation.refused if self._truncation is not None else 0
+            return self._local.take({**self._scheduler.stats, "load_not_taken": self._not_taken, "state_uncut": uncut})
         return None
 
     @classmethod

@@ -44,7 +44,9 @@ except ImportError:  # pragma: no cover - older vLLM, or none: the same shape, n
 __all__ = ["LOCAL_REASONS", "RD2HPromMetrics", "RD2HStats", "SchedulerTally", "WorkerTally", "build_prom_metrics"]
 
 # the scheduler's stats keys that count a request (or sample) computed here instead of pulled
-LOCAL_REASONS = ("refused_params", "samples_computed_here", "no_handoff", "handoff_failed", "load_not_taken")
+LOCAL_REASONS = (
+    "refused_params", "samples_computed_here", "no_handoff", "handoff_failed", "load_not_taken", "state_uncut",
+)  # fmt: skip
 _MAX_EVENTS = 1 << 14  # observations awaiting the next take (vLLM takes each step); past it the oldest go
 
 
@@ -259,7 +261,8 @@ _BY_LABEL = (
         "(n > 1 on a Decode without prefix caching), no_handoff (vLLM's P/D convention asked of a Prefill without "
         "handoff_port), handoff_failed (Decode: a Prefill refused or did not answer the ask), hold_expired "
         "(Prefill, per TP rank: held blocks nobody asked for in time, freed), load_not_taken (Decode: vLLM "
-        "gave the load to another connector listed before rd2h under MultiConnector, or dropped it).",
+        "gave the load to another connector listed before rd2h under MultiConnector, or dropped it), state_uncut "
+        "(Prefill of a Mamba model: a prompt not computed short of its last token, e.g. one token, is not sent).",
     ),
 )
 _HISTOGRAMS = (

@@ -10,7 +10,6 @@ after its tokens, so Prefill computes the prompt short of its last token and Dec
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from rd2h.vllm.kv_groups import check_groups, gather_blocks, pull_ranges, pulls_
 from rd2h.vllm.metadata import RecvSpec, SendFinish, SendSpec, StepMetadata
 from rd2h.vllm.slots import SlotBook
 from rd2h.vllm.state_groups import PromptTruncation, check_state_engine, page_view
+from rd2h.vllm.stats import SchedulerTally
 from rd2h.vllm.worker import RD2HWorker
 
 MIXER, ATTN = "model.layers.0.mixer", "model.layers.1.self_attn.attn"
@@ -205,7 +205,8 @@ def test_a_one_token_prompt_is_not_cut_and_is_counted(caplog: pytest.LogCaptureF
     cut = PromptTruncation()
     request = Request("r1", [5], SamplingParams(max_tokens=1), None)
     assert not cut.truncate(request) and request.num_prompt_tokens == 1 and cut.refused == 1
-    assert "cannot be computed short of its last token" in caplog.text
+    assert "a prompt of 1 token: it cannot be computed short of its last token" in caplog.text
+    assert not cut.truncate(request) and cut.refused == 1 and caplog.text.count("request r1:") == 1  # said once
 
 
 @pytest.mark.parametrize("prompt", [40, 64, 65, 127, 200, 300])
@@ -264,17 +265,20 @@ def _workers(model: Path, port: int) -> tuple[RD2HWorker, RD2HWorker, dict, dict
 
 
 def _poll(prefill: RD2HWorker, decode: RD2HWorker) -> tuple[set, set, set]:
+    """Each side's outcomes, waiting on the side that has not ended yet (its sink's or source's
+    ``wait_any``: woken by the outcome itself)."""
     sending: set[str] = set()
     recving: set[str] = set()
     failed: set[str] = set()
-    tick, deadline = threading.Event(), time.monotonic() + 60
-    while not (recving and sending):
-        assert time.monotonic() < deadline, (sending, recving)
+    deadline = time.monotonic() + 60
+    while True:
         sending |= prefill.transfer_results()[0]
         _, r, f = decode.transfer_results()
         recving, failed = recving | r, failed | f
-        tick.wait(0.01)
-    return sending, recving, failed
+        if recving and sending:
+            return sending, recving, failed
+        assert time.monotonic() < deadline, (sending, recving)
+        (decode.sink if not recving else prefill.source).wait_any(1.0)
 
 
 def test_workers_move_the_state_page_and_the_attention_blocks_of_the_tokens_moved(model: Path) -> None:
@@ -343,7 +347,10 @@ def test_a_prefill_leg_whose_prompt_was_not_cut_is_not_sent(model: Path, caplog:
     assert not meta_of(out).send_new and not meta_of(out).computed
     scheduler.update_from_output(out, runner_output(out, sampled={req: 7}))
     assert not meta_of(scheduler.schedule()).send_finish
-    assert connector.scheduler.stats["refused_params"] == 1 and "not computed short of its last token" in caplog.text
+    assert connector._truncation.refused == 1 and "not computed short of its last token" in caplog.text
+    assert connector.scheduler.stats["refused_params"] == 0  # counted once, as what it is
+    connector._local = SchedulerTally()  # vLLM's scheduler took this step's stats: the count since startup
+    assert connector.get_kv_connector_stats().data["local"] == {"state_uncut": 1}
     scheduler.connector.shutdown()
 
 
