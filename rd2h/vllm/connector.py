@@ -36,7 +36,7 @@ from rd2h.vllm.metadata import StepMetadata
 from rd2h.vllm.parallel import check_parallel, decode_stages, pipeline_stage, port_rank
 from rd2h.vllm.params import PARAMS_KEY, accept_later, accept_prefill
 from rd2h.vllm.scheduler import RD2HScheduler
-from rd2h.vllm.state_groups import PromptTruncation, check_state_engine
+from rd2h.vllm.state_groups import PromptTruncation, check_state_engine, check_state_pages
 from rd2h.vllm.stats import RD2HStats, SchedulerTally, build_prom_metrics
 from rd2h.vllm.vouch import load_secret
 from rd2h.vllm.worker import RD2HWorker
@@ -234,6 +234,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # -- worker side ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cache_config = getattr(self._vllm_config, "cache_config", None)
+        check_state_pages(self._kv_cache_config, kv_caches, getattr(cache_config, "kv_cache_layout", None))
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         self.worker.register(kv_caches, {n: num_blocks or int(t.shape[0]) for n, t in kv_caches.items()})
 

@@ -26,14 +26,14 @@ Pure apart from :func:`page_view` (torch): reads vLLM's objects by their attribu
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rd2h.errors import ConfigError
 
 __all__ = [
     "STATE_SPEC", "TESTED_MAMBA_TYPES", "is_state_spec", "state_problem", "check_state_engine",
-    "PromptTruncation", "page_view",
+    "PromptTruncation", "check_state_pages", "page_view",
 ]  # fmt: skip
 
 log = logging.getLogger("rd2h.vllm.scheduler")
@@ -184,7 +184,8 @@ class PromptTruncation:
         self.refused += 1
         log.warning(
             "request %s: its prompt is not computed short of its last token (%s), so the Mamba state it holds is "
-            "not the one Decode continues from: computed here and not sent (%d such requests so far)", req_id, why, self.refused,
+            "not the one Decode continues from: computed here and not sent (%d such requests so far)",
+            req_id, why, self.refused,
         )  # fmt: skip
         return True
 
@@ -194,6 +195,26 @@ class PromptTruncation:
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._done
+
+
+def check_state_pages(kv_cache_config: Any, caches: Mapping[str, Any], layout: str | None = None) -> None:
+    """Raises ConfigError where a registered Mamba layer's cache does not step one page of its
+    group (``page_size_bytes``: the padded page) from block to block: :func:`page_view` takes
+    that step as the page, and a block-outermost layout's step spans every layer's page."""
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        if not is_state_spec(group.kv_cache_spec):
+            continue
+        page = int(group.kv_cache_spec.page_size_bytes)
+        for name in group.layer_names:
+            cache = caches.get(name)
+            step = None if cache is None else int(cache.stride(0)) * int(cache.element_size())
+            if step is not None and step != page:
+                raise ConfigError(
+                    f"rd2h: Mamba layer {name} is registered with blocks {step} bytes apart for pages of {page} bytes: "
+                    f"KV cache layout {layout or '(not named)'} does not keep a state page dense (a block-outermost "
+                    "layout keeps every layer's page of a block together); use a layer-outermost layout, e.g. "
+                    "VLLM_KV_CACHE_LAYOUT=LBHNC"
+                )  # fmt: skip
 
 
 def page_view(members: Iterable[Any], num_blocks: int) -> Any:
@@ -209,14 +230,15 @@ def page_view(members: Iterable[Any], num_blocks: int) -> Any:
     pages = {int(t.stride(0)) * t.element_size() for t in views}
     if len(starts) != 1 or len(pages) != 1:
         raise ConfigError(f"rd2h: layers viewing one KV cache slot start at {len(starts)} addresses with pages of "
-                          f"{sorted(pages)} bytes: cannot register its pages (refused at startup for a block-outermost KV "
-                          "cache layout, see check_state_engine)")  # fmt: skip
+                          f"{sorted(pages)} bytes: cannot register its pages (a block-outermost KV cache layout is "
+                          "refused at startup: check_state_engine)")  # fmt: skip
     first, page = views[0], pages.pop()
     storage = first.untyped_storage()
     offset = first.storage_offset() * first.element_size()
     if offset + num_blocks * page > storage.nbytes():
         raise ConfigError(f"rd2h: {num_blocks} pages of {page} bytes from byte {offset} run past the KV cache "
-                          f"allocation of {storage.nbytes()} bytes (pages not dense: a block-outermost KV cache layout?)")  # fmt: skip
+                          f"allocation of {storage.nbytes()} bytes (pages not dense: a block-outermost KV cache "
+                          "layout?)")  # fmt: skip
     raw = torch.empty(0, dtype=torch.int8, device=first.device)
     raw.set_(storage, offset, (num_blocks, page), (page, 1))
     return raw

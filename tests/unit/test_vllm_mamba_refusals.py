@@ -17,7 +17,7 @@ from vllm_kit import SECRET, make_request, write_model
 
 from rd2h.errors import ConfigError
 from rd2h.vllm.params import later_fields
-from rd2h.vllm.state_groups import PromptTruncation, check_state_engine
+from rd2h.vllm.state_groups import PromptTruncation, check_state_engine, check_state_pages
 from rd2h.vllm.stats import SchedulerTally
 
 SETTINGS = {"pp": 1, "tp": 1, "peer_tp": None, "handoff": False, "speculative": False}
@@ -185,3 +185,18 @@ def test_replayssm_is_refused_at_startup_naming_it(model: Path) -> None:
     config.cache_config.use_replayssm = True
     with pytest.raises(ConfigError, match=r"cache_config.use_replayssm \(ReplaySSM"):
         RD2HConnector(config, KVConnectorRole.SCHEDULER, kv_config(config))
+
+
+def test_registered_state_caches_must_step_one_padded_page(model: Path) -> None:
+    """The worker's check over the caches vLLM allocated: a Mamba layer's view must step its
+    group's padded page from block to block (page_view takes the step as the page)."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    kv = _kv(model, "BLHNC", TWO_BY_TWO)
+    caches = allocate_kv_cache(kv, torch.device("cpu"), KVCacheLayout.BLHNC)
+    with pytest.raises(ConfigError, match=r"Mamba layer model.layers.0.mixer is registered with blocks 65536 bytes "
+                                          r"apart for pages of 32768 bytes: KV cache layout BLHNC"):  # fmt: skip
+        check_state_pages(kv, caches, "BLHNC")
+    kv = _kv(model, "LBHNC", TWO_BY_TWO)
+    check_state_pages(kv, allocate_kv_cache(kv, torch.device("cpu"), KVCacheLayout.LBHNC), "LBHNC")
