@@ -49,7 +49,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
-from rd2h.proxy.early import all_heard, answer_targets, prefill_owes
+from rd2h.proxy.early import all_heard, answer_targets, leg_unless_nothing, nothing_to_prefill, prefill_owes
 from rd2h.proxy.failures import EngineError, NoInstance, PrefillFailed, RendezvousTimeout, cancel, failure, settle
 from rd2h.proxy.instances import Instance, Pool, gone_for_good
 from rd2h.proxy.metrics import ProxyMetrics
@@ -108,6 +108,7 @@ class _Pending:
     warmup: bool = False  # the proxy's own request: no client metrics
     targets: dict[str, Any] | None = None  # Prefill's signed fields with every target, once all are in
     answered_by: dict[str, Instance] = field(default_factory=dict)  # role -> the instance that answered its leg
+    nothing: bool = False  # every prompt's rendezvous said Decode loads nothing of it: no Prefill work
 
     def mark(self, name: str) -> None:  # the first time it passed ``name``, ms from ``started``
         self.record.setdefault("t", {}).setdefault(name, round((time.monotonic() - self.started) * 1e3, 3))
@@ -225,12 +226,14 @@ class Proxy:
             if self.config.targets_url:
                 fields = later_fields(self.config.secret, pending.rid, pending.prompts, self.config.targets_url,
                                       min(timeout, MAX_WAIT), time.time())  # fmt: skip
-                await self._prefill_leg(pending, path, body, fields)
+                await leg_unless_nothing(pending, self._prefill_leg(pending, path, body, fields))
             # awaited directly (not wait_for over gather): the last rendezvous wakes this task in
             # one turn of the loop, not three, each behind whatever else is ready then
             await pending.all_in
         finally:
             timer.cancel()
+        if pending.nothing:  # Decode loads nothing of any prompt: Prefill has nothing to compute for it
+            return nothing_to_prefill(self, pending)
         if self.config.targets_url:  # Prefill answered before its KV went: it owes it until Decode answers
             await prefill_owes(pending)
             return
@@ -445,7 +448,10 @@ class Proxy:
             fields = verify(self.config.secret, body, time.time())
             rid, prompt, sample = str(fields["ext_id"]).rsplit("-", 2)
             prompt_idx, sample_idx = int(prompt), int(sample)
-            str(fields["endpoint"])
+            if "nothing" not in fields:  # a prompt Decode loads nothing of names no endpoint (rd2h.vllm.nothing)
+                str(fields["endpoint"])
+            elif not isinstance(fields["nothing"], str):
+                raise ValueError(f"'nothing' must name a reason, got {fields['nothing']!r}")
         except (VouchError, KeyError, ValueError) as exc:
             log.warning("refused a rendezvous: %s", exc)
             self.metrics.errors.labels("rendezvous_refused").inc()

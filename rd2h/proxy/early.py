@@ -27,17 +27,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 
-from rd2h.proxy.failures import PrefillFailed, settle
+from rd2h.proxy.failures import PrefillFailed, cancel, settle
 from rd2h.vllm.params import accept_targets_ask, prefill_fields
 
 if TYPE_CHECKING:
     from rd2h.proxy.app import Proxy, _Pending
 
-__all__ = ["TARGETS_PATH", "all_heard", "answer_targets", "prefill_owes"]
+__all__ = ["TARGETS_PATH", "all_heard", "answer_targets", "leg_unless_nothing", "nothing_to_prefill", "prefill_owes"]
 
 log = logging.getLogger("rd2h.proxy")
 
@@ -51,11 +52,45 @@ def all_heard(proxy: Proxy, pending: _Pending) -> None:
     pending.mark("rendezvous_all")
     proxy.metrics.rendezvous.observe(waited)
     pending.record["rendezvous_ms"] = round(waited * 1e3, 1)
-    pending.record["children"] = [{k: r.get(k) for k in ("endpoint", "first_block", "num_tokens")} for r in found]
-    pending.recompute = all(r.get("on_load_failure") == "recompute" for r in found)
-    targets = {p: [found[p]] for p in range(pending.prompts)}
-    pending.targets = prefill_fields(proxy.config.secret, pending.rid, pending.prompts, 1, targets, time.time())
+    pending.record["children"] = [
+        {k: r[k] for k in ("endpoint", "first_block", "num_tokens", "nothing") if k in r} for r in found
+    ]
+    pulled = [r for r in found if "nothing" not in r]  # a prompt Decode loads nothing of: no target, no KV
+    pending.recompute = bool(pulled) and all(r.get("on_load_failure") == "recompute" for r in pulled)
+    pending.nothing = not pulled
+    if pulled:  # the others get an empty list: Prefill computes them and sends them nowhere
+        targets = {p: [] if "nothing" in found[p] else [found[p]] for p in range(pending.prompts)}
+        pending.targets = prefill_fields(proxy.config.secret, pending.rid, pending.prompts, 1, targets, time.time())
     settle(pending.all_in, None)
+
+
+def nothing_to_prefill(proxy: Proxy, pending: _Pending) -> None:
+    """Every rendezvous said Decode loads nothing: no Prefill leg was sent, or the one sent at once
+    was cancelled (vLLM aborts it and frees its blocks) or had answered (its ask for targets gets 410)."""
+    if not proxy.config.targets_url:
+        pending.record["prefill"] = "skipped: Decode loads nothing"
+    elif "prefill_cancelled" in pending.record.get("t", {}):
+        pending.record["prefill"] = "cancelled: Decode loads nothing"
+    else:
+        pending.record["prefill"] = "answered before every rendezvous was in: Decode loads nothing (410 to its ask)"
+    if not pending.warmup:
+        proxy.metrics.prefill_skipped.inc()
+
+
+async def leg_unless_nothing(pending: _Pending, leg: Coroutine[Any, Any, None]) -> None:
+    """Prefill's leg sent at once: awaited, unless every rendezvous comes in first saying Decode
+    loads nothing; then it is cancelled (its connection closed: vLLM aborts the request)."""
+    task = asyncio.ensure_future(leg)
+    try:
+        await asyncio.wait({task, pending.all_in}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and pending.nothing:
+            pending.mark("prefill_cancelled")
+            await cancel(task)
+            return
+        await task
+    finally:
+        if not task.done():  # this request was cancelled meanwhile
+            await cancel(task)
 
 
 async def answer_targets(proxy: Proxy, body: Any) -> Response:
@@ -76,6 +111,9 @@ async def answer_targets(proxy: Proxy, body: Any) -> Response:
         raise
     except Exception as exc:  # noqa: BLE001 - the rendezvous timed out, or the request ended
         return JSONResponse({"error": f"no targets: {exc}"}, status_code=410)
+    if pending.targets is None:  # every rendezvous said Decode loads nothing: nothing will be pulled
+        pending.mark("targets_none")
+        return JSONResponse({"error": "no targets: Decode loads nothing of this request"}, status_code=410)
     pending.mark("targets_sent")
     return JSONResponse(pending.targets)
 

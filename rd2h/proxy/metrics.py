@@ -53,6 +53,9 @@ class ProxyMetrics:
                               ["kind"], registry=self.registry)
         self.recomputed = Counter("rd2h_proxy_recomputed", "Requests whose Prefill failed, computed by a "
                                   "Decode (its kv_load_failure_policy is recompute)", registry=self.registry)
+        self.prefill_skipped = Counter("rd2h_proxy_prefill_skipped", "Requests Decode loads nothing of (every "
+                                       "prompt's rendezvous said so): no Prefill leg, or the one sent at once "
+                                       "cancelled", registry=self.registry)
         self.ttft = Histogram("rd2h_proxy_ttft_seconds", "From the client's request to Decode's first byte",
                               buckets=_SECONDS, registry=self.registry)
         self.rendezvous = Histogram("rd2h_proxy_rendezvous_seconds", "Waiting for Decode's rendezvous (every "

@@ -25,7 +25,9 @@ Its connector asks that URL (a body signed with the secret, :func:`targets_ask`)
 answer only as Prefill fields with targets signed by the proxy, for the same id (:func:`accept_late`).
 
 ``targets[p][s]`` is the Decode request of prompt ``p``, sample ``s`` that pulls (the proxy
-names sample 0 only): the endpoint and first block its rendezvous said. The format allows
+names sample 0 only): the endpoint and first block its rendezvous said. ``targets[p] == []``:
+Decode loads nothing of prompt ``p`` (its rendezvous said ``nothing``, :mod:`rd2h.vllm.nothing`),
+Prefill computes it and sends it nowhere (an older Prefill refuses such fields: computed, counted). The format allows
 several, for a Decode that would pull each sample. Every parse error is a ValueError naming what is wrong; the caller
 serves the request locally and counts it.
 """
@@ -159,6 +161,8 @@ def accept_prefill(secret: bytes, raw: object, req_id: str, now: float) -> list[
     prompt = prompt_index(req_id, prompts)
     targets = fields.get("targets")
     mine = targets.get(str(prompt)) if isinstance(targets, Mapping) else None
+    if mine == []:  # Decode loads nothing of this prompt (its rendezvous said so): computed, sent nowhere
+        return []
     if not isinstance(mine, list) or len(mine) != samples:
         raise ValueError(f"'targets' must list {samples} target(s) for prompt {prompt}")
     accepted = []
@@ -221,4 +225,7 @@ def accept_late(secret: bytes, later: Later, raw: object, req_id: str, now: floa
     by the proxy, for the same request id (a signed answer for another request is refused)."""
     if not isinstance(raw, Mapping) or raw.get("id") != later.rid:
         raise ValueError(f"the answer is not for request {later.rid}")
-    return accept_prefill(secret, raw, req_id, now)
+    targets = accept_prefill(secret, raw, req_id, now)
+    if not targets:  # its blocks, held for targets, are freed: nothing waits for them
+        raise ValueError(f"Decode loads nothing of prompt {later.prompt}: there is nothing to send")
+    return targets

@@ -61,6 +61,7 @@ from rd2h.vllm.metadata import (
     StepMetadata,
     WorkerReport,
 )
+from rd2h.vllm.nothing import NothingToPull
 from rd2h.vllm.params import PARAMS_KEY, accept_decode
 from rd2h.vllm.rendezvous import RendezvousPoster
 from rd2h.vllm.vouch import sign
@@ -93,7 +94,7 @@ class _Recv:
     handoff: Handoff | None = None  # vLLM's convention: ask these Prefill ranks, post nothing
 
 
-class RD2HScheduler(LateSends):
+class RD2HScheduler(LateSends, NothingToPull):
     """Scheduler-side state of one engine. ``block_sizes``: tokens per block of each KV
     cache group; ``world_size``: workers that must know a destination before it is posted."""
 
@@ -152,6 +153,7 @@ class RD2HScheduler(LateSends):
             "pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0, "refused_params": 0,
             "samples_from_prefix_cache": 0, "samples_computed_here": 0,
             "held": 0, "no_handoff": 0, "handoffs": 0, "handoff_failed": 0, "late_targets": 0, "targets_failed": 0,
+            "nothing_to_pull": 0,
         }  # fmt: skip
 
     # -- Decode --------------------------------------------------------------------------
@@ -191,8 +193,11 @@ class RD2HScheduler(LateSends):
             return 0, False
         if not self._claim(request.request_id, ext_id):
             return 0, False
-        count = self._loaded(len(request.prompt_token_ids or ())) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        loadable = self._loaded(len(request.prompt_token_ids or ()))
+        if loadable - num_computed_tokens <= 0:  # posted at once: the proxy must not wait for it (nothing.py)
+            self._nothing_to_pull(request.request_id, ext_id, len(request.prompt_token_ids or ()), loadable)
+            return 0, False
+        return loadable - num_computed_tokens, True
 
     def _match_handoff(self, request: Any, raw: Mapping[str, Any], num_computed: int) -> tuple[int | None, bool]:
         """vLLM's convention: params a Prefill returned (signed by it) name a held request."""

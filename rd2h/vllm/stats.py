@@ -46,6 +46,7 @@ __all__ = ["LOCAL_REASONS", "RD2HPromMetrics", "RD2HStats", "SchedulerTally", "W
 # the scheduler's stats keys that count a request (or sample) computed here instead of pulled
 LOCAL_REASONS = (
     "refused_params", "samples_computed_here", "no_handoff", "handoff_failed", "load_not_taken", "state_uncut",
+    "nothing_to_pull",
 )  # fmt: skip
 _MAX_EVENTS = 1 << 14  # observations awaiting the next take (vLLM takes each step); past it the oldest go
 
@@ -262,7 +263,9 @@ _BY_LABEL = (
         "handoff_port), handoff_failed (Decode: a Prefill refused or did not answer the ask), hold_expired "
         "(Prefill, per TP rank: held blocks nobody asked for in time, freed), load_not_taken (Decode: vLLM "
         "gave the load to another connector listed before rd2h under MultiConnector, or dropped it), state_uncut "
-        "(Prefill of a Mamba model: a prompt not computed short of its last token, e.g. one token, is not sent).",
+        "(Prefill of a Mamba model: a prompt not computed short of its last token, e.g. one token, is not sent), "
+        "nothing_to_pull (Decode: nothing of the prompt to load, a one-token prompt with several KV cache groups or "
+        "every loadable token in its prefix cache; the proxy is told so and sends no Prefill leg for it).",
     ),
 )
 _HISTOGRAMS = (

@@ -1,0 +1,73 @@
+"""Decode: a request that loads nothing says so to the proxy at once (no vLLM import).
+
+Decode loads a prompt's tokens (all but the last with several KV cache groups or a Mamba group,
+:func:`rd2h.vllm.kv_groups.transfer_tokens`) less a local prefix-cache hit. Where that is none (a
+one-token prompt under several groups; every loadable token already in Decode's prefix cache),
+no block is pulled and no worker is told, yet the proxy waits for that prompt's rendezvous
+before it sends Prefill its leg (or, Prefill asked at once, its targets). Posting nothing made
+the proxy wait out its ``--rendezvous-timeout``: a 502 when Decode's answer took longer, else a
+Prefill held idle until then. So the scheduler posts a rendezvous that names no endpoint but
+``nothing``, the reason, signed like every rendezvous (only holders of the shared secret are
+heard), releases its claim on the id (a sample of ``n`` waiting for the pull goes on), and
+counts it (``nothing_to_pull``: ``vllm:rd2h_local_recomputes_total{reason="nothing_to_pull"}``).
+A proxy that knows the field counts the prompt as heard and, when every prompt of the request
+loads nothing, sends no Prefill leg (or cancels the one sent at once); an older proxy refuses
+it (403, no endpoint: ``rendezvous_refused``) and behaves as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+from rd2h.vllm.vouch import sign
+
+__all__ = ["NOTHING_REASONS", "NothingToPull", "nothing_body"]
+
+log = logging.getLogger("rd2h.vllm.scheduler")
+
+# short_prompt: Decode loads no token of it (one token, several groups); prefix_cached: it has them all
+NOTHING_REASONS = ("short_prompt", "prefix_cached")
+_REMEMBERED = 4096  # ext ids said lately: vLLM asks again for a request it could not schedule
+
+
+def nothing_body(ext_id: str, num_tokens: int, reason: str, mode: str) -> dict[str, Any]:
+    """The unsigned rendezvous of a prompt Decode loads nothing of (no endpoint: nothing to dial)."""
+    return {"ext_id": ext_id, "nothing": reason, "num_tokens": num_tokens, "mode": mode}
+
+
+class NothingToPull:
+    """The part of :class:`~rd2h.vllm.scheduler.RD2HScheduler` that tells the proxy a claimed
+    request loads nothing (its state is the scheduler's)."""
+
+    config: Any
+    stats: dict[str, int]
+    _secret: bytes
+    _clock: Any
+    _poster: Any
+    _claims: dict[str, str]
+    _claimed: dict[str, str]
+
+    def _nothing_to_pull(self, req_id: str, ext_id: str, num_tokens: int, loadable: int) -> None:
+        """``req_id`` claimed ``ext_id`` and loads nothing of its ``num_tokens`` prompt tokens
+        (``loadable``: what it would load without a prefix-cache hit)."""
+        if self._claims.get(ext_id) == req_id:  # nothing lands under it: release it at once
+            del self._claims[ext_id]
+        self._claimed.pop(req_id, None)
+        said: OrderedDict[str, None] = self.__dict__.setdefault("_said_nothing", OrderedDict())
+        if ext_id in said:  # asked again (vLLM could not schedule it then): said once
+            return
+        said[ext_id] = None
+        while len(said) > _REMEMBERED:
+            said.popitem(last=False)
+        reason = NOTHING_REASONS[0] if loadable <= 0 else NOTHING_REASONS[1]
+        self.stats["nothing_to_pull"] += 1
+        log.info(
+            "request %s: Decode loads nothing of its %d prompt tokens (%s); computed here, the proxy is told so "
+            "(%d such requests so far)", req_id, num_tokens, reason, self.stats["nothing_to_pull"],
+        )  # fmt: skip
+        if self.config.metaserver is None or self._poster is None:  # refused at startup; unit-built schedulers
+            return
+        body = nothing_body(ext_id, num_tokens, reason, self.config.mode.value)
+        self._poster.submit(ext_id, self.config.metaserver, sign(self._secret, body, self._clock()))

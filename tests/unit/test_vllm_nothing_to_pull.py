@@ -1,0 +1,82 @@
+"""Decode's scheduler when it loads nothing of a prompt (rd2h.vllm.nothing), inside vLLM's own
+Scheduler with the hybrid allocator (a sliding-window and a full group: Decode loads all prompt
+tokens but the last). It must say so to the proxy at once, signed, release its claim and count it:
+before, it posted nothing and the proxy waited out its rendezvous timeout."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from test_vllm_hybrid_groups import hybrid_scheduler, model  # noqa: F401 - the model fixture
+from test_vllm_scheduler import decode_params, ext
+from vllm_kit import BLOCK, SECRET, Posts, make_request
+
+from rd2h.vllm.params import accept_late, accept_later, accept_prefill, later_fields, prefill_fields
+from rd2h.vllm.rendezvous import RendezvousPoster
+from rd2h.vllm.stats import LOCAL_REASONS
+from rd2h.vllm.vouch import verify
+
+
+def _recording(scheduler) -> Posts:  # type: ignore[no-untyped-def]
+    ours = scheduler.connector.scheduler
+    ours._poster.close()
+    posts = Posts()
+    ours._poster = RendezvousPoster(post=posts)
+    return posts
+
+
+def _said(posts: Posts) -> dict:
+    assert posts.posted.wait(5)
+    (body,) = posts.bodies
+    assert body.pop("url") == "http://proxy/rdv"
+    return verify(SECRET, body, time.time())  # signed with the secret, as every rendezvous
+
+
+def test_a_one_token_prompt_is_computed_here_and_the_proxy_told_at_once(model: Path) -> None:  # noqa: F811
+    scheduler = hybrid_scheduler(model, "kv_consumer")
+    posts = _recording(scheduler)
+    ours = scheduler.connector.scheduler
+    req = "cmpl-one-0-abcdef12"
+    scheduler.add_request(make_request(req, 1, decode_params("one")))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {req: 1} and not out.kv_connector_metadata.recv  # computed, not waited for
+    said = _said(posts)
+    assert (said["ext_id"], said["nothing"], said["num_tokens"]) == (ext("one"), "short_prompt", 1)
+    assert "endpoint" not in said  # nothing to dial
+    assert ours.stats["nothing_to_pull"] == 1 and ours.stats["rendezvous"] == 0
+    assert ext("one") not in ours._claims and req not in ours._claimed  # released: nothing lands under it
+    assert "nothing_to_pull" in LOCAL_REASONS  # vllm:rd2h_local_recomputes_total{reason="nothing_to_pull"}
+    scheduler.connector.shutdown()
+
+
+def test_a_prompt_whose_loadable_tokens_are_all_in_the_prefix_cache_is_said_once(model: Path) -> None:  # noqa: F811
+    scheduler = hybrid_scheduler(model, "kv_consumer")
+    posts = _recording(scheduler)
+    ours = scheduler.connector.scheduler
+    request = make_request("cmpl-pc-0-abcdef12", BLOCK + 1, decode_params("pc"))
+    assert ours.get_num_new_matched_tokens(request, BLOCK) == (0, False)  # the hit is all Decode would load
+    assert ours.get_num_new_matched_tokens(request, BLOCK) == (0, False)  # asked again: vLLM could not schedule it
+    said = _said(posts)
+    assert (said["nothing"], said["num_tokens"]) == ("prefix_cached", BLOCK + 1)
+    assert ours.stats["nothing_to_pull"] == 1 and len(posts.bodies) == 1
+    # a prompt with one more token to load still pulls it, and posts only once its workers expect it
+    more = make_request("cmpl-pm-0-abcdef12", BLOCK + 2, decode_params("pm"))
+    assert ours.get_num_new_matched_tokens(more, BLOCK) == (1, True)
+    scheduler.connector.shutdown()
+
+
+def test_prefill_fields_name_no_target_for_a_prompt_decode_loads_nothing_of() -> None:
+    rid = "ab" * 16
+    targets = {0: [], 1: [{"endpoint": "127.0.0.1:5600/1", "first_block": 0}]}
+    fields = prefill_fields(SECRET, rid, 2, 1, targets, time.time())
+    assert accept_prefill(SECRET, fields, "cmpl-x-0-abcdef12", time.time()) == []  # computed, sent nowhere
+    (target,) = accept_prefill(SECRET, fields, "cmpl-x-1-abcdef12", time.time())
+    assert target.ext_id == f"{rid}-1-0"
+    # asked at once: no target is a failed ask (its held blocks are freed), never a wait for more
+    later = later_fields(SECRET, rid, 2, "http://proxy/v1/rd2h/targets", 60, time.time())
+    asked = accept_later(SECRET, later, "cmpl-x-0-abcdef12", time.time())
+    assert asked is not None
+    with pytest.raises(ValueError, match="loads nothing of prompt 0"):
+        accept_late(SECRET, asked, fields, "cmpl-x-0-abcdef12", time.time())
