@@ -79,3 +79,29 @@ def test_sliding_window_negative_control(swa_cluster: Any) -> None:
     prompts = [PROMPTS[1] + " once more"]  # not in Decode's prefix cache from the test before
     baseline = complete(swa_cluster.url("prefill"), prompts)
     assert complete(swa_cluster.url("proxy"), prompts) != baseline
+
+
+def test_a_prompt_decode_loads_nothing_of_is_not_waited_for(swa_cluster: Any) -> None:
+    """Decode loads all prompt tokens but the last: nothing of a one-token prompt, and nothing of a
+    33-token prompt whose first block (32 tokens) it holds from the same prompt before. It says so at
+    once (a signed ``nothing`` rendezvous): the proxy sends no Prefill leg and waits for nothing. A
+    rendezvous timeout of 1 s, shorter than Decode's 400 tokens: before, the proxy waited for a
+    rendezvous that never came and answered 502 "Decode did not post a rendezvous within 1 s"."""
+    swa_cluster.ensure()
+    swa_cluster.remove("proxy")
+    swa_cluster._proxy("proxy", ["decode"], "--rendezvous-timeout", "1")
+    try:
+        decode, block = swa_cluster.url("decode"), list(range(100, 133))
+        said = metric(decode, "vllm:rd2h_local_recomputes_total", reason="nothing_to_pull")
+        seen = []
+        for prompt in ([7], block, block):
+            baseline = complete(swa_cluster.url("prefill"), [prompt], max_tokens=400, timeout=300)
+            assert complete(swa_cluster.url("proxy"), [prompt], max_tokens=400, timeout=300) == baseline
+            record = last_record(swa_cluster)
+            seen.append((record["status"], record.get("prefill"), record["children"][0].get("nothing")))
+        skipped = "skipped: Decode loads nothing"
+        assert seen == [(200, skipped, "short_prompt"), (200, None, None), (200, skipped, "prefix_cached")]
+        assert metric(decode, "vllm:rd2h_local_recomputes_total", reason="nothing_to_pull") - said == 2
+    finally:
+        swa_cluster.remove("proxy")
+        swa_cluster._proxy("proxy", ["decode"])
