@@ -29,7 +29,7 @@ log = logging.getLogger("rd2h.vllm.scheduler")
 
 # short_prompt: Decode loads no token of it (one token, several groups); prefix_cached: it has them all
 NOTHING_REASONS = ("short_prompt", "prefix_cached")
-_REMEMBERED = 4096  # ext ids said lately: vLLM asks again for a request it could not schedule
+_REMEMBERED = 4096  # ext ids said lately: a replay of their fields is computed here, never pulled
 
 
 def nothing_body(ext_id: str, num_tokens: int, reason: str, mode: str) -> dict[str, Any]:
@@ -49,14 +49,23 @@ class NothingToPull:
     _claims: dict[str, str]
     _claimed: dict[str, str]
 
-    def _nothing_to_pull(self, req_id: str, ext_id: str, num_tokens: int, loadable: int) -> None:
-        """``req_id`` claimed ``ext_id`` and loads nothing of its ``num_tokens`` prompt tokens
-        (``loadable``: what it would load without a prefix-cache hit)."""
+    def _told_nothing(self, ext_id: str) -> bool:
+        """The proxy was told lately that ``ext_id`` loads nothing: a later claim of it (a replay of
+        its signed fields) must not pull what the proxy will never send."""
+        return ext_id in self.__dict__.get("_said_nothing", ())
+
+    def _nothing_to_pull(self, request: Any, ext_id: str, loadable: int) -> None:
+        """``request`` claimed ``ext_id`` and loads nothing of its prompt (``loadable``: what it
+        would load without a prefix-cache hit): the proxy is told once, signed, and the claim and
+        the request's ``do_remote_prefill`` are released (a preempted request never pulls later)."""
+        req_id, num_tokens = request.request_id, len(request.prompt_token_ids or ())
         if self._claims.get(ext_id) == req_id:  # nothing lands under it: release it at once
             del self._claims[ext_id]
         self._claimed.pop(req_id, None)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        request.kv_transfer_params = {**params, "do_remote_prefill": False}
         said: OrderedDict[str, None] = self.__dict__.setdefault("_said_nothing", OrderedDict())
-        if ext_id in said:  # asked again (vLLM could not schedule it then): said once
+        if ext_id in said:  # a replay of its fields: computed here, said once
             return
         said[ext_id] = None
         while len(said) > _REMEMBERED:

@@ -194,8 +194,8 @@ class RD2HScheduler(LateSends, NothingToPull):
         if not self._claim(request.request_id, ext_id):
             return 0, False
         loadable = self._loaded(len(request.prompt_token_ids or ()))
-        if loadable - num_computed_tokens <= 0:  # posted at once: the proxy must not wait for it (nothing.py)
-            self._nothing_to_pull(request.request_id, ext_id, len(request.prompt_token_ids or ()), loadable)
+        if loadable - num_computed_tokens <= 0 or self._told_nothing(ext_id):  # the proxy told at once (nothing.py)
+            self._nothing_to_pull(request, ext_id, loadable)
             return 0, False
         return loadable - num_computed_tokens, True
 

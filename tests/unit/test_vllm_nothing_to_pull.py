@@ -27,8 +27,8 @@ def _recording(scheduler) -> Posts:  # type: ignore[no-untyped-def]
     return posts
 
 
-def _said(posts: Posts) -> dict:
-    assert posts.posted.wait(5)
+def _said(scheduler, posts: Posts) -> dict:  # type: ignore[no-untyped-def]
+    assert scheduler.connector.scheduler._poster.flush(5)  # everything submitted was posted
     (body,) = posts.bodies
     assert body.pop("url") == "http://proxy/rdv"
     return verify(SECRET, body, time.time())  # signed with the secret, as every rendezvous
@@ -42,7 +42,7 @@ def test_a_one_token_prompt_is_computed_here_and_the_proxy_told_at_once(model: P
     scheduler.add_request(make_request(req, 1, decode_params("one")))
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {req: 1} and not out.kv_connector_metadata.recv  # computed, not waited for
-    said = _said(posts)
+    said = _said(scheduler, posts)
     assert (said["ext_id"], said["nothing"], said["num_tokens"]) == (ext("one"), "short_prompt", 1)
     assert "endpoint" not in said  # nothing to dial
     assert ours.stats["nothing_to_pull"] == 1 and ours.stats["rendezvous"] == 0
@@ -57,10 +57,14 @@ def test_a_prompt_whose_loadable_tokens_are_all_in_the_prefix_cache_is_said_once
     ours = scheduler.connector.scheduler
     request = make_request("cmpl-pc-0-abcdef12", BLOCK + 1, decode_params("pc"))
     assert ours.get_num_new_matched_tokens(request, BLOCK) == (0, False)  # the hit is all Decode would load
-    assert ours.get_num_new_matched_tokens(request, BLOCK) == (0, False)  # asked again: vLLM could not schedule it
-    said = _said(posts)
+    assert request.kv_transfer_params["do_remote_prefill"] is False  # preempted later: never pulls
+    assert ours.get_num_new_matched_tokens(request, 0) == (0, False)
+    # a replay of its signed fields, with nothing cached: the proxy will never send, so it is not pulled
+    replay = make_request("cmpl-pc-0-replay12", BLOCK + 1, request.kv_transfer_params | {"do_remote_prefill": True})
+    assert ours.get_num_new_matched_tokens(replay, 0) == (0, False)
+    said = _said(scheduler, posts)
     assert (said["nothing"], said["num_tokens"]) == ("prefix_cached", BLOCK + 1)
-    assert ours.stats["nothing_to_pull"] == 1 and len(posts.bodies) == 1
+    assert ours.stats["nothing_to_pull"] == 1 and len(posts.bodies) == 1 and not ours._recv_new
     # a prompt with one more token to load still pulls it, and posts only once its workers expect it
     more = make_request("cmpl-pm-0-abcdef12", BLOCK + 2, decode_params("pm"))
     assert ours.get_num_new_matched_tokens(more, BLOCK) == (1, True)
