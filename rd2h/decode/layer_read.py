@@ -173,6 +173,7 @@ class LayerReader:
         failed: dict[str, RD2HError] = {}
         nbytes: dict[str, int] = {}
         key = None
+        error: Exception | None = None
         try:
             if admission.readable:
                 plan, reads, failed, per_block, key = self._plan(identity, batch, admission)
@@ -180,20 +181,10 @@ class LayerReader:
                 read_seconds = self._read(identity, plan.local, plan.remote, plan.lengths, plan, failed)
                 nbytes = self._step_reads.request_bytes(reads, per_block, failed)
         except Exception as exc:  # noqa: BLE001 - the admitted requests fail, never the loop
-            # a layout mismatch fails the whole layer before any read; anything unforeseen
-            # (a defect) fails it too: the requests it admitted must not stay marked as read
-            if not isinstance(exc, RD2HError):
-                log.exception("rank %d: layer %d could not be read", self.rank, batch.layer_idx)
-                exc = ProtocolError(f"Decode could not read layer {batch.layer_idx}: {type(exc).__name__}: {exc}")
-            with self._changed:
-                failures = self._tracker.fail_readable(admission, exc, self._clock())
-                self._answer(identity, batch, admission, failures)
-        else:
-            with self._changed:
-                failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
-                self._answer(identity, batch, admission, failures)
-            if key is not None and plan is not None and not failures and self.lanes:
-                self._open_lane(identity, batch, admission, reads, plan, key)
+            error = exc
+        failures = self._settle(identity, batch, admission, error, failed, nbytes)
+        if error is None and key is not None and plan is not None and not failures and self.lanes:
+            self._open_lane(identity, batch, admission, reads, plan, key)
         self._observe(
             batch.layer_idx, 0 if plan is None else plan.nbytes, 0 if plan is None else len(plan), read_seconds,
             started, len(failures),
@@ -247,26 +238,39 @@ class LayerReader:
                 del self._lanes[identity]
                 return False
         failed: dict[str, RD2HError] = {}
+        nbytes: dict[str, int] = {}
         read_seconds = 0.0
+        error: Exception | None = None
         try:
             read_seconds = self._read(identity, *rows, lane, failed)
             nbytes = self._step_reads.request_bytes(lane.reads, self._block_bytes[batch.layer_name], failed)
         except Exception as exc:  # noqa: BLE001 - as on the general path: the requests fail, never the loop
-            if not isinstance(exc, RD2HError):
-                log.exception("rank %d: layer %d could not be read", self.rank, batch.layer_idx)
-                exc = ProtocolError(f"Decode could not read layer {batch.layer_idx}: {type(exc).__name__}: {exc}")
-            with self._changed:
-                failures = self._tracker.fail_readable(admission, exc, self._clock())
-                self._answer(identity, batch, admission, failures)
-        else:
-            with self._changed:
-                failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
-                self._answer(identity, batch, admission, failures)
+            error = exc
+        failures = self._settle(identity, batch, admission, error, failed, nbytes)
         if failures:
             self._lanes.pop(identity, None)
         self.counters.lane_reads += 1
         self._observe(batch.layer_idx, lane.nbytes, len(rows[2]), read_seconds, started, len(failures))
         return True
+
+    def _settle(
+        self, identity: bytes, batch: protocol.ReadReadyBatch, admission: Admission, error: Exception | None,
+        failed: dict[str, RD2HError], nbytes: dict[str, int],
+    ) -> Mapping[str, RD2HError]:
+        """Answer a layer's read: its admitted requests are marked read (``failed`` naming those
+        whose blocks did not come), or, where the read raised ``error``, all fail: a layout
+        mismatch fails the whole layer before any read, and anything unforeseen (a defect) fails
+        it too, since the requests it admitted must not stay marked as read."""
+        if error is not None and not isinstance(error, RD2HError):
+            log.error("rank %d: layer %d could not be read", self.rank, batch.layer_idx, exc_info=error)
+            error = ProtocolError(f"Decode could not read layer {batch.layer_idx}: {type(error).__name__}: {error}")
+        with self._changed:
+            if error is not None:
+                failures = self._tracker.fail_readable(admission, error, self._clock())
+            else:
+                failures = self._tracker.on_read(identity, batch, admission, failed, nbytes, self._clock())
+            self._answer(identity, batch, admission, failures)
+        return failures
 
     def refuse_oversized(self, identity: bytes, over: Oversized, max_ids: int) -> None:
         """Refuse a readiness naming too many ids, per request, without decoding its ids."""
