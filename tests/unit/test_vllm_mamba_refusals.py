@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_vllm_mamba import config_for, kv_config, mamba_spec, state_scheduler
+from test_vllm_mamba_state import config_for, kv_config, mamba_spec, state_scheduler
 from test_vllm_scheduler import decode_params, hexid, prefill_params
 from vllm_kit import SECRET, make_request, write_model
 

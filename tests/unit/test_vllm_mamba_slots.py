@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import free_base_port
-from test_vllm_mamba import ATTN_BLOCK, PAGE, STATE_BLOCK, config_for, mamba_spec
+from test_vllm_mamba_state import ATTN_BLOCK, PAGE, STATE_BLOCK, config_for, mamba_spec
 from vllm_kit import write_model
 
 from rd2h.vllm.config import ConnectorConfig, Mode
