@@ -76,6 +76,7 @@ def _decode(port: int, layers: int, out: Any, ready: Any, channel: str = "zmq") 
 
     _wrap(sink.Sink, "_handle", "D sink: handle")
     _wrap(layer_read.LayerReader, "_plan", "D sink: plan")
+    _wrap(layer_read.LayerReader, "_lane_read", "D sink: lane")  # a step's layers after its first clean read
     _wrap(layer_read.LayerReader, "_read", "D sink: read")
     _wrap(layer_read.LayerReader, "send", "D sink: reply send")
     names = [f"layer.{i}" for i in range(layers)]
