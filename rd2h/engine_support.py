@@ -10,7 +10,7 @@
   move, naming the engines installed here that do (``capable_engines``); ``check_peer_kinds``:
   the same question about a peer's layouts, asked by Decode before it connects;
   ``kinds_for_options``: what an engine built with given options will move (asked before
-  building it: the vLLM worker's staging choice);
+  building it: the vLLM worker's staging choice); ``kinds_in_use``: what a built one moves;
 - ``bounded_call``: a native call that cannot hang its caller;
 - ``goes_quiet``: whether a peer's TCP address stops answering (a dead peer, told apart from
   a failed transfer).
@@ -38,7 +38,7 @@ from rd2h.layout.regions import Region, RegionSet, check_memory_kind, device_typ
 
 __all__ = [
     "MetadataEnvelope", "split_host_port", "check_read_arrays", "check_read", "breaks_session_on_timeout",
-    "check_region_kinds", "check_peer_kinds", "kinds_for_options", "capable_engines", "bounded_call", "answers_at", "goes_quiet",
+    "check_region_kinds", "check_peer_kinds", "kinds_for_options", "kinds_in_use", "capable_engines", "bounded_call", "answers_at", "goes_quiet",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -259,7 +259,7 @@ def kinds_for_options(engine_class: type, options: Mapping[str, Any] | None = No
     return ask() if ask is not None else HOST_ONLY
 
 
-def _kinds_of(engine: object) -> MemoryKinds:
+def kinds_in_use(engine: object) -> MemoryKinds:
     """What the engine, as configured, moves (``memory_kinds_in_use``; a wrapper's inner
     engine's); ``memory_kinds()`` for an engine that predates that method; host only for an
     object that says nothing (a test double that is no ``TransferEngine``)."""
@@ -282,7 +282,7 @@ def check_region_kinds(engine: TransferEngine, regions: Iterable[Region], kinds:
     the region, its kind, what the engine moves and the installed engines that can move it,
     so the refusal comes at registration, not as EFAULT at the first read."""
     role = getattr(engine, "role", "decode")
-    allowed = (kinds if kinds is not None else _kinds_of(engine)).for_role(role)
+    allowed = (kinds if kinds is not None else kinds_in_use(engine)).for_role(role)
     name = _engine_name(engine)
     for r in regions:
         if r.device_type not in allowed:
@@ -294,7 +294,7 @@ def check_peer_kinds(engine: TransferEngine, layers: Mapping[str, LayerLayout]) 
     ``memory_kinds_in_use``) reads from every memory kind a peer's layouts declare (layer
     metadata, layout 4): refused at the handshake with a
     message naming the layer, the kind and the engines that can, not at the first read."""
-    allowed = _kinds_of(engine).reads_from
+    allowed = kinds_in_use(engine).reads_from
     name = _engine_name(engine)
     for layer, layout in layers.items():
         for what, tensor in layout.named_tensors():

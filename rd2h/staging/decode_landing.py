@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rd2h.device import DONE, CopyDevice, byte_rows, device_of
+from rd2h.engine_support import kinds_in_use
 from rd2h.errors import ConfigError, RegionError, TransferError
 from rd2h.interfaces import MemoryKinds, Session, TransferEngine
 from rd2h.layout.regions import Region, device_type
@@ -215,8 +216,7 @@ class LandingEngine(TransferEngine):
         self.landing.read(self.inner, session, local_addrs, remote_addrs, lengths)
 
     def memory_kinds_in_use(self) -> MemoryKinds:
-        ask = getattr(self.inner, "memory_kinds_in_use", None) or getattr(self.inner, "memory_kinds", None)
-        inner = ask() if ask is not None else MemoryKinds()
+        inner = kinds_in_use(self.inner)
         return MemoryKinds(inner.reads_from, inner.writes_to | self.landing.device_types)
 
     def close(self) -> None:
