@@ -39,6 +39,10 @@ class LayerTensors:
     indexer: Any | None = None
     scale: Any | None = None
 
+    def all_tensors(self) -> list[Any]:
+        """Every tensor of the layer: the main ones, then the indexer and the scale where set."""
+        return [t for t in (*self.main, self.indexer, self.scale) if t is not None]
+
 
 def memory_kind(tensor: Any) -> str:
     """What memory ``tensor`` lives in: ``"host"`` for a numpy array or a CPU torch tensor,

@@ -50,7 +50,7 @@ def staging_mode(environ: Mapping[str, str] | None = None) -> str:
 
 
 def _tensors(layers: Mapping[str, LayerTensors]) -> list[Any]:
-    return [t for tensors in layers.values() for t in (*tensors.main, tensors.indexer, tensors.scale) if t is not None]
+    return [t for tensors in layers.values() for t in tensors.all_tensors()]
 
 
 def device_types(layers: Mapping[str, LayerTensors]) -> set[str]:

@@ -84,7 +84,7 @@ class DecodeLanding:
         """A landing for every tensor of ``layers`` that is not in host memory; None if all
         are, unless ``force``: then (``RD2H_STAGING=always`` on a CPU) a landing for all of
         them, through the host stand-in."""
-        every = [t for tensors in layers.values() for t in (*tensors.main, tensors.indexer, tensors.scale) if t is not None]
+        every = [t for tensors in layers.values() for t in tensors.all_tensors()]
         staged = [t for t in every if memory_kind(t) != "host"] or (every if force else [])
         return cls(staged, **options) if staged else None
 
