@@ -49,8 +49,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
-from rd2h.proxy.early import all_heard, answer_targets, leg_unless_nothing, nothing_to_prefill, prefill_owes
-from rd2h.proxy.failures import EngineError, NoInstance, PrefillFailed, RendezvousTimeout, cancel, failure, settle
+from rd2h.proxy.early import all_heard, leg_unless_nothing, nothing_to_prefill, prefill_owes
+from rd2h.proxy.failures import (
+    EngineError,
+    NoInstance,
+    PrefillFailed,
+    RendezvousTimeout,
+    cancel,
+    failure,
+    refused,
+    settle,
+)  # fmt: skip
 from rd2h.proxy.instances import Instance, Pool, gone_for_good
 from rd2h.proxy.metrics import ProxyMetrics
 from rd2h.proxy.readiness import note_readiness
@@ -453,9 +462,7 @@ class Proxy:
             elif not isinstance(fields["nothing"], str):
                 raise ValueError(f"'nothing' must name a reason, got {fields['nothing']!r}")
         except (VouchError, KeyError, ValueError) as exc:
-            log.warning("refused a rendezvous: %s", exc)
-            self.metrics.errors.labels("rendezvous_refused").inc()
-            return JSONResponse({"error": f"rendezvous refused: {exc}"}, status_code=403)
+            return refused(self.metrics, "rendezvous", exc)
         pending = self.pending.get(rid)
         if pending is None:
             return JSONResponse({"error": "no request waits for this rendezvous"}, status_code=404)
@@ -469,10 +476,6 @@ class Proxy:
             if pending.heard == pending.prompts and not pending.all_in.done():
                 all_heard(self, pending)
         return JSONResponse({"ok": True})
-
-    async def targets(self, body: dict[str, Any]) -> Response:
-        """A Prefill's ask for a request's targets (:func:`rd2h.proxy.early.answer_targets`)."""
-        return await answer_targets(self, body)
 
     def may_read_requests(self, request: Request) -> bool:
         """The request list names in-flight ids: only for holders of the operator token."""

@@ -25,22 +25,19 @@ Decode's ``request_timeout``. Decode's first byte ends the wait: it had the KV w
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 
-from rd2h.proxy.failures import PrefillFailed, cancel, settle
+from rd2h.proxy.failures import PrefillFailed, cancel, refused, settle
 from rd2h.vllm.params import accept_targets_ask, prefill_fields
 
 if TYPE_CHECKING:
     from rd2h.proxy.app import Proxy, _Pending
 
 __all__ = ["TARGETS_PATH", "all_heard", "answer_targets", "leg_unless_nothing", "nothing_to_prefill", "prefill_owes"]
-
-log = logging.getLogger("rd2h.proxy")
 
 TARGETS_PATH = "/v1/rd2h/targets"
 
@@ -98,17 +95,13 @@ async def answer_targets(proxy: Proxy, body: Any) -> Response:
     try:
         rid = accept_targets_ask(proxy.config.secret, body, time.time())
     except ValueError as exc:
-        log.warning("refused an ask for targets: %s", exc)
-        proxy.metrics.errors.labels("targets_refused").inc()
-        return JSONResponse({"error": f"ask refused: {exc}"}, status_code=403)
+        return refused(proxy.metrics, "targets", exc)
     pending = proxy.pending.get(rid)
     if pending is None:
         return JSONResponse({"error": "no request waits for targets under this id"}, status_code=404)
     pending.mark("targets_asked")
     try:
         await asyncio.shield(pending.all_in)  # Prefill hanging up must not settle the request
-    except asyncio.CancelledError:
-        raise
     except Exception as exc:  # noqa: BLE001 - the rendezvous timed out, or the request ended
         return JSONResponse({"error": f"no targets: {exc}"}, status_code=410)
     if pending.targets is None:  # every rendezvous said Decode loads nothing: nothing will be pulled

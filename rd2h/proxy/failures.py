@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import httpx
+from fastapi.responses import JSONResponse
 
-__all__ = ["EngineError", "NoInstance", "PrefillFailed", "RendezvousTimeout", "cancel", "failure", "settle"]
+__all__ = ["EngineError", "NoInstance", "PrefillFailed", "RendezvousTimeout", "cancel", "failure", "refused", "settle"]
+
+log = logging.getLogger("rd2h.proxy")
 
 
 class EngineError(Exception):
@@ -53,3 +57,11 @@ async def cancel(task: asyncio.Future[Any]) -> None:
         result = await task
         if isinstance(result, httpx.Response):
             await result.aclose()
+
+
+def refused(metrics: Any, what: str, exc: Exception) -> JSONResponse:
+    """An engine's post (``what``: "rendezvous", "targets") that is not vouched for: logged,
+    counted (``rd2h_proxy_errors_total{kind="<what>_refused"}``), answered 403."""
+    log.warning("refused a %s post: %s", what, exc)
+    metrics.errors.labels(f"{what}_refused").inc()
+    return JSONResponse({"error": f"{what} refused: {exc}"}, status_code=403)

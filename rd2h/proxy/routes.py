@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from rd2h.proxy.app import RENDEZVOUS_PATH, Proxy, ProxyConfig
 from rd2h.proxy.bodies import Refused, parse_body, read_limited
-from rd2h.proxy.early import TARGETS_PATH
+from rd2h.proxy.early import TARGETS_PATH, answer_targets
 from rd2h.proxy.metrics import CONTENT_TYPE
 from rd2h.proxy.readiness import health_body
 
 __all__ = ["create_apps"]
+
+
+async def _engine_body(request: Request) -> Any:
+    """An engine's post (a rendezvous, an ask for targets): its JSON body, or the answer refusing it."""
+    try:
+        return parse_body(await read_limited(request, 64 << 10))
+    except Refused as exc:
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
 
 def create_apps(config: ProxyConfig) -> tuple[FastAPI, FastAPI]:
@@ -55,19 +64,13 @@ def create_apps(config: ProxyConfig) -> tuple[FastAPI, FastAPI]:
 
     @internal.post(RENDEZVOUS_PATH)
     async def rendezvous(request: Request) -> Response:
-        try:
-            body = parse_body(await read_limited(request, 64 << 10))
-        except Refused as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status)
-        return proxy.rendezvous(body)
+        body = await _engine_body(request)
+        return body if isinstance(body, Response) else proxy.rendezvous(body)
 
     @internal.post(TARGETS_PATH)
     async def targets(request: Request) -> Response:
-        try:
-            body = parse_body(await read_limited(request, 64 << 10))
-        except Refused as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status)
-        return await proxy.targets(body)
+        body = await _engine_body(request)
+        return body if isinstance(body, Response) else await answer_targets(proxy, body)
 
     @internal.get("/v1/rd2h/requests")
     async def requests(request: Request) -> Response:
