@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from test_memory_kinds import OnDevice  # a CPU tensor that says it lives on a device
 
 from rd2h.engine_support import check_peer_kinds, check_region_kinds, kinds_for_options
 from rd2h.errors import ConfigError, IncompatiblePeerError, TransferError
@@ -25,18 +26,6 @@ from rd2h.tensors import LayerTensors, layer_layout
 
 NPU = MemoryKinds(frozenset({"host", "npu"}), frozenset({"host", "npu"}))
 CUDA = MemoryKinds(frozenset({"host", "cuda"}), frozenset({"host", "cuda"}))
-
-
-class OnDevice:
-    """A CPU tensor that says it lives on ``device`` (as in test_memory_kinds)."""
-
-    def __init__(self, tensor: torch.Tensor, device: str) -> None:
-        kind, _, index = device.partition(":")
-        self._t, self.device = tensor, SimpleNamespace(type=kind, index=int(index))
-        self.shape, self.dtype = tensor.shape, tensor.dtype
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._t, name)
 
 
 def device_layers(device: str) -> dict[str, LayerTensors]:
