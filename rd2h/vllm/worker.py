@@ -72,6 +72,7 @@ class RD2HWorker:
         self._groups = pulls_groups(self.kv_groups, config.mode)  # several: each request moves whole, by slot
         self._state = has_state(self.kv_groups)  # a Mamba state: Prefill computed the prompt short of its last token
         self._slots: SlotBook | None = None
+        self._state_slots: tuple[str, ...] = ()  # the slots holding a Mamba layer, announced by forward_done
         self._virtual: dict[str, tuple[int, int]] = {}  # ext id -> (prompt tokens, tokens of its flat list)
         self.consumer, self.producer = consumer, producer
         self.rank, self.tp_size, self.dp_rank = rank, tp_size, dp_rank
@@ -110,6 +111,7 @@ class RD2HWorker:
                                 if s in self._slots.state_slots else block_first(kv_caches[s], num_blocks[s]))
                 for s, names in self._slots.members.items()
             }  # fmt: skip
+            self._state_slots = tuple(s for s in self._tensors if s in self._slots.state_slots)
         else:
             self._tensors = split_layers({n: kv_caches[n] for n in pulled}, num_blocks, self.config.mode)
         layouts = {
@@ -394,9 +396,9 @@ class RD2HWorker:
     def forward_done(self) -> None:
         """Prefill, after the step's forward (vLLM's ``wait_for_save``): announce the slots that
         hold a Mamba layer, whose state the forward wrote without calling any save hook."""
-        if not self._sends or self._slots is None:
+        if not self._sends:
             return
-        for slot in (s for s in self._tensors if s in self._slots.state_slots):
+        for slot in self._state_slots:
             try:
                 self.source.layer_ready(slot, record_event(self._tensors[slot].main[0]))
             except Exception:  # noqa: BLE001
