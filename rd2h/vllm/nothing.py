@@ -18,7 +18,6 @@ it (403, no endpoint: ``rendezvous_refused``) and behaves as before.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import Any
 
 from rd2h.vllm.vouch import sign
@@ -48,11 +47,12 @@ class NothingToPull:
     _poster: Any
     _claims: dict[str, str]
     _claimed: dict[str, str]
+    _said_nothing: dict[str, None]  # oldest first, at most _REMEMBERED
 
     def _told_nothing(self, ext_id: str) -> bool:
         """The proxy was told lately that ``ext_id`` loads nothing: a later claim of it (a replay of
         its signed fields) must not pull what the proxy will never send."""
-        return ext_id in self.__dict__.get("_said_nothing", ())
+        return ext_id in self._said_nothing
 
     def _nothing_to_pull(self, request: Any, ext_id: str, loadable: int) -> None:
         """``request`` claimed ``ext_id`` and loads nothing of its prompt (``loadable``: what it
@@ -64,12 +64,12 @@ class NothingToPull:
         self._claimed.pop(req_id, None)
         params = getattr(request, "kv_transfer_params", None) or {}
         request.kv_transfer_params = {**params, "do_remote_prefill": False}
-        said: OrderedDict[str, None] = self.__dict__.setdefault("_said_nothing", OrderedDict())
+        said = self._said_nothing
         if ext_id in said:  # a replay of its fields: computed here, said once
             return
         said[ext_id] = None
-        while len(said) > _REMEMBERED:
-            said.popitem(last=False)
+        if len(said) > _REMEMBERED:
+            del said[next(iter(said))]
         reason = NOTHING_REASONS[0] if loadable <= 0 else NOTHING_REASONS[1]
         self.stats["nothing_to_pull"] += 1
         log.info(

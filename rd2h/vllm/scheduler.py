@@ -142,6 +142,7 @@ class RD2HScheduler(LateSends, NothingToPull):
         self._claims: dict[str, str] = {}  # ext id -> the live req id pulling it (Decode)
         self._claimed: dict[str, str] = {}  # the reverse: req id -> its ext id
         self._landed: set[str] = set()  # claimed ext ids whose pull ended (their samples may go)
+        self._said_nothing: dict[str, None] = {}  # ext ids the proxy was told lately load nothing (nothing.py)
         self._recv_new: list[RecvSpec] = []
         self._recv_abort: list[str] = []
         self._send: dict[str, Send] = {}  # req id -> being sent
