@@ -84,3 +84,21 @@ def test_prefill_fields_name_no_target_for_a_prompt_decode_loads_nothing_of() ->
     assert asked is not None
     with pytest.raises(ValueError, match="loads nothing of prompt 0"):
         accept_late(SECRET, asked, fields, "cmpl-x-0-abcdef12", time.time())
+
+
+def test_the_ids_said_to_load_nothing_are_remembered_up_to_a_bound(model: Path) -> None:  # noqa: F811
+    from types import SimpleNamespace
+
+    from rd2h.vllm.nothing import _REMEMBERED
+
+    scheduler = hybrid_scheduler(model, "kv_consumer")
+    ours = scheduler.connector.scheduler
+    ours._poster.close()
+    ours._poster = None  # said, not posted: only the memory is under test
+    for i in range(_REMEMBERED + 1):
+        request = SimpleNamespace(request_id=f"r{i}", prompt_token_ids=[1], kv_transfer_params={})
+        ours._nothing_to_pull(request, f"e{i}", 0)
+    assert len(ours._said_nothing) == _REMEMBERED  # bounded: the oldest went first
+    assert not ours._told_nothing("e0") and ours._told_nothing("e1") and ours._told_nothing(f"e{_REMEMBERED}")
+    assert ours.stats["nothing_to_pull"] == _REMEMBERED + 1
+    scheduler.connector.shutdown()
