@@ -14,15 +14,12 @@ moved), and the negative control shows the tokens depend on the bytes moved.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_vllm_convention import metric
-from test_vllm_pd import HERE, PROMPTS, complete, last_record
+from test_vllm_pd import PROMPTS, complete, last_record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -31,9 +28,9 @@ WINDOW = 64
 
 @pytest.fixture(scope="module")
 def swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("swa") / "tiny-swa"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out)], check=True, capture_output=True,
-                   timeout=120, cwd=out.parent, env={**os.environ, "TINY_LAYERS": "4"})  # fmt: skip
+    from vllm_cluster import tiny_model
+
+    out = tiny_model(tmp_path_factory.mktemp("swa") / "tiny-swa", TINY_LAYERS="4")
     config = json.loads((out / "config.json").read_text())
     config.update(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW)
     (out / "config.json").write_text(json.dumps(config))

@@ -17,16 +17,13 @@ them) shows the tokens depend on the state moved.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_vllm_convention import metric
-from test_vllm_pd import HERE, LONG, complete, last_record
+from test_vllm_pd import LONG, complete, last_record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -42,10 +39,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_cluster import tiny_model
+
     out = tmp_path_factory.mktemp("mamba") / "tiny-granite-hybrid"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_mamba.py"), str(out)], check=True, capture_output=True,
-                   timeout=180, cwd=out.parent, env={**os.environ, "TINY_ARCH": "granitemoehybrid"})  # fmt: skip
-    return out
+    return tiny_model(out, "make_tiny_mamba.py", timeout=180, TINY_ARCH="granitemoehybrid")
 
 
 @pytest.fixture(scope="module")

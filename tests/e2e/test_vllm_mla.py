@@ -6,24 +6,19 @@ and the negative control on the latter."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
-from test_vllm_pd import HERE, PROMPTS, last_record
+from test_vllm_pd import PROMPTS, last_record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
 def mla_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from vllm_cluster import Cluster
+    from vllm_cluster import Cluster, tiny_model
 
-    out = tmp_path_factory.mktemp("mla") / "tiny-mla"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out)], check=True, capture_output=True,
-                   timeout=120, cwd=out.parent, env={**os.environ, "TINY_ARCH": "mla"})
+    out = tiny_model(tmp_path_factory.mktemp("mla") / "tiny-mla", TINY_ARCH="mla")
     cluster = Cluster(out, tmp_path_factory.mktemp("mla-cluster"))
     try:
         cluster.ensure()

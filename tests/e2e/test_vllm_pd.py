@@ -20,7 +20,6 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-HERE = Path(__file__).parent  # the e2e folder, for the files that import it from here
 
 _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "a", "tiny", "model", "learns", "to", "prefill", "and", "decode", "key", "value", "caches", "across", "two", "engines"]
 LONG = " ".join(_WORDS[i % len(_WORDS)] + ("" if i % 7 else " kalomi") for i in range(120))

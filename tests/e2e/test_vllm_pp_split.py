@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_pd import HERE
 from test_vllm_pp import PP_ARGS, assert_pulled_tokens_equal_one_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -26,9 +25,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def three_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tests' tiny Llama (its tokenizer) with three random layers instead of two."""
-    out = tmp_path_factory.mktemp("model3") / "tiny-llama-3"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out)], check=True, capture_output=True,
-                   timeout=120, cwd=out.parent)  # fmt: skip
+    from vllm_cluster import tiny_model
+
+    out = tiny_model(tmp_path_factory.mktemp("model3") / "tiny-llama-3")
     script = (
         "import sys, torch\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"

