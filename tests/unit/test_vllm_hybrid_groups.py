@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import free_base_port
 from test_vllm_scheduler import decode_params, ext, meta_of, prefill_params
-from vllm_kit import BLOCK, _extra, make_request, runner_output, write_model
+from vllm_kit import BLOCK, _extra, make_request, record_posts, runner_output, write_model
 
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
@@ -89,7 +89,6 @@ def hybrid_scheduler(model: Path, role: str, *, batched: int = 512) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from rd2h.vllm.rendezvous import RendezvousPoster
 
     load_general_plugins()
     config = vllm_config(model, role, batched=batched)
@@ -98,10 +97,7 @@ def hybrid_scheduler(model: Path, role: str, *, batched: int = 512) -> Any:
     assert len(kv.kv_cache_groups) == 2  # the hybrid allocator's sliding and full groups
     scheduler = Scheduler(config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
                           block_size=BLOCK, log_stats=False)  # fmt: skip
-    ours = scheduler.connector.scheduler
-    if ours._poster is not None:
-        ours._poster.close()
-        ours._poster = RendezvousPoster(post=lambda url, body: 200)
+    record_posts(scheduler)
     return scheduler
 
 

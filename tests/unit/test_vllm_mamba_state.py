@@ -19,7 +19,7 @@ import torch
 from conftest import free_base_port
 from test_vllm_hybrid_groups import vllm_config
 from test_vllm_scheduler import decode_params, ext, meta_of, prefill_params
-from vllm_kit import make_request, runner_output, write_model
+from vllm_kit import make_request, record_posts, runner_output, write_model
 
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
@@ -74,7 +74,6 @@ def state_scheduler(model: Path, role: str) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from rd2h.vllm.rendezvous import RendezvousPoster
 
     load_general_plugins()
     config = config_for(model, role)
@@ -84,10 +83,7 @@ def state_scheduler(model: Path, role: str) -> Any:
     block, hashed = resolve_kv_cache_block_sizes(kv, config)  # as vLLM's engine core does
     scheduler = Scheduler(config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
                           block_size=block, hash_block_size=hashed, log_stats=False)  # fmt: skip
-    ours = scheduler.connector.scheduler
-    if ours._poster is not None:
-        ours._poster.close()
-        ours._poster = RendezvousPoster(post=lambda url, body: 200)
+    record_posts(scheduler)
     return scheduler
 
 

@@ -11,20 +11,11 @@ from pathlib import Path
 import pytest
 from test_vllm_hybrid_groups import hybrid_scheduler, model  # noqa: F401 - the model fixture
 from test_vllm_scheduler import decode_params, ext
-from vllm_kit import BLOCK, SECRET, Posts, make_request
+from vllm_kit import BLOCK, SECRET, Posts, make_request, record_posts
 
 from rd2h.vllm.params import accept_late, accept_later, accept_prefill, later_fields, prefill_fields
-from rd2h.vllm.rendezvous import RendezvousPoster
 from rd2h.vllm.stats import LOCAL_REASONS
 from rd2h.vllm.vouch import verify
-
-
-def _recording(scheduler) -> Posts:  # type: ignore[no-untyped-def]
-    ours = scheduler.connector.scheduler
-    ours._poster.close()
-    posts = Posts()
-    ours._poster = RendezvousPoster(post=posts)
-    return posts
 
 
 def _said(scheduler, posts: Posts) -> dict:  # type: ignore[no-untyped-def]
@@ -36,7 +27,7 @@ def _said(scheduler, posts: Posts) -> dict:  # type: ignore[no-untyped-def]
 
 def test_a_one_token_prompt_is_computed_here_and_the_proxy_told_at_once(model: Path) -> None:  # noqa: F811
     scheduler = hybrid_scheduler(model, "kv_consumer")
-    posts = _recording(scheduler)
+    posts = record_posts(scheduler)
     ours = scheduler.connector.scheduler
     req = "cmpl-one-0-abcdef12"
     scheduler.add_request(make_request(req, 1, decode_params("one")))
@@ -53,7 +44,7 @@ def test_a_one_token_prompt_is_computed_here_and_the_proxy_told_at_once(model: P
 
 def test_a_prompt_whose_loadable_tokens_are_all_in_the_prefix_cache_is_said_once(model: Path) -> None:  # noqa: F811
     scheduler = hybrid_scheduler(model, "kv_consumer")
-    posts = _recording(scheduler)
+    posts = record_posts(scheduler)
     ours = scheduler.connector.scheduler
     request = make_request("cmpl-pc-0-abcdef12", BLOCK + 1, decode_params("pc"))
     assert ours.get_num_new_matched_tokens(request, BLOCK) == (0, False)  # the hit is all Decode would load

@@ -74,7 +74,6 @@ def make_scheduler(
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from rd2h.vllm.rendezvous import RendezvousPoster
 
     load_general_plugins()  # as every vLLM process does: our entry point registers the connector
     config = VllmConfig(
@@ -96,12 +95,20 @@ def make_scheduler(
     )
     scheduler = Scheduler(config, kv_cache_config=kv_config, structured_output_manager=StructuredOutputManager(config),
                           block_size=BLOCK, log_stats=False)
+    return scheduler, record_posts(scheduler)
+
+
+def record_posts(scheduler: Any) -> Posts:
+    """The rd2h scheduler's real rendezvous poster (if it has one), its metaserver replaced by a
+    :class:`Posts` that records what it posts."""
+    from rd2h.vllm.rendezvous import RendezvousPoster
+
     posts = Posts()
     ours = getattr(scheduler.connector, "scheduler", None)
-    if ours is not None and ours._poster is not None:  # the real poster, with the metaserver replaced
+    if ours is not None and ours._poster is not None:
         ours._poster.close()
         ours._poster = RendezvousPoster(post=posts)
-    return scheduler, posts
+    return posts
 
 
 def make_request(req_id: str, tokens: int, params: dict[str, Any], *, max_tokens: int = 8, seed: int = 0):
