@@ -34,7 +34,7 @@ from rd2h.vllm.config import ConnectorConfig, Mode
 from rd2h.vllm.kv_groups import check_groups
 from rd2h.vllm.metadata import StepMetadata
 from rd2h.vllm.parallel import check_parallel, decode_stages, pipeline_stage, port_rank
-from rd2h.vllm.params import PARAMS_KEY, accept_later, accept_prefill
+from rd2h.vllm.params import PARAMS_KEY, accept_prefill_leg
 from rd2h.vllm.scheduler import RD2HScheduler
 from rd2h.vllm.state_groups import PromptTruncation, check_state_engine, check_state_pages
 from rd2h.vllm.stats import RD2HStats, SchedulerTally, build_prom_metrics
@@ -334,10 +334,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         params = getattr(request, "kv_transfer_params", None) or {}
         if not (isinstance(params, dict) and params.get("do_remote_decode") and PARAMS_KEY in params):
             return False
-        raw, req_id, now = params[PARAMS_KEY], request.request_id, self.scheduler._clock()
         try:
-            if accept_later(self._secret, raw, req_id, now) is None:
-                accept_prefill(self._secret, raw, req_id, now)
+            accept_prefill_leg(self._secret, params[PARAMS_KEY], request.request_id, self.scheduler._clock())
         except ValueError:
             return False
         return True

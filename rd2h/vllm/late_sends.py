@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rd2h.vllm.metadata import SendFinish, SendSpec
-from rd2h.vllm.params import PARAMS_KEY, Later, Target, accept_late, accept_later, accept_prefill, targets_ask
+from rd2h.vllm.params import PARAMS_KEY, Later, Target, accept_late, accept_prefill_leg, targets_ask
 
 __all__ = ["LATE_IDLE_WAIT", "LateSends", "Send"]
 
@@ -61,8 +61,7 @@ class LateSends:
         if req_id in self._send:
             return
         try:
-            later = accept_later(self._secret, params.get(PARAMS_KEY), req_id, self._clock())
-            targets = [] if later else accept_prefill(self._secret, params.get(PARAMS_KEY), req_id, self._clock())
+            targets, later = accept_prefill_leg(self._secret, params.get(PARAMS_KEY), req_id, self._clock())
         except ValueError as exc:  # computed as asked, nothing sent
             self._refuse(req_id, str(exc))
             return

@@ -45,7 +45,7 @@ from rd2h.wire.endpoint import DecodeEndpoint
 __all__ = [
     "PARAMS_KEY", "MAX_CHILDREN", "Target", "ext_id", "prompt_index", "sample_index",
     "decode_fields", "prefill_fields", "accept_decode", "accept_prefill",
-    "Later", "later_fields", "accept_later", "targets_ask", "accept_targets_ask", "accept_late", "MAX_WAIT",
+    "Later", "later_fields", "accept_later", "accept_prefill_leg", "targets_ask", "accept_targets_ask", "accept_late", "MAX_WAIT",
 ]  # fmt: skip
 
 PARAMS_KEY = "rd2h"
@@ -201,6 +201,13 @@ def accept_later(secret: bytes, raw: object, req_id: str, now: float) -> Later |
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= MAX_WAIT:
         raise ValueError(f"'wait' must be seconds in (0, {MAX_WAIT:g}], got {wait!r}")
     return Later(rid, prompt_index(req_id, prompts), url, float(wait))
+
+
+def accept_prefill_leg(secret: bytes, raw: object, req_id: str, now: float) -> tuple[list[Target], Later | None]:
+    """Prefill: the targets its fields name, or none yet and the :class:`Later` they come from;
+    ValueError when the fields are not vouched for (:func:`accept_later`, :func:`accept_prefill`)."""
+    later = accept_later(secret, raw, req_id, now)
+    return ([], later) if later is not None else (accept_prefill(secret, raw, req_id, now), None)
 
 
 def targets_ask(secret: bytes, rid: str, now: float) -> dict[str, Any]:
