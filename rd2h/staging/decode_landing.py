@@ -77,7 +77,6 @@ class DecodeLanding:
         # Counted once a round's device copy is seen complete (read waits for each before it
         # returns), not when it is queued: no wait of their own.
         self.landed_bytes = 0  # copied host-to-device so far (the staged path ran: worker stats)
-        self.rounds = 0  # landing-buffer rounds whose device copy completed (one read and one copy each)
 
     @classmethod
     def for_layers(cls, layers: Mapping[str, LayerTensors], *, force: bool = False, **options: Any) -> DecodeLanding | None:
@@ -170,7 +169,6 @@ class DecodeLanding:
         if event is not DONE:
             event.synchronize()
         self.landed_bytes += nbytes
-        self.rounds += 1
 
     def _scatter(self, buf: Any, offsets: np.ndarray, local: np.ndarray, lengths: np.ndarray, tensor: np.ndarray) -> None:
         """Copy each tensor's run of landed bytes to its place, one indexed copy per tensor."""

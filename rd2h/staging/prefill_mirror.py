@@ -150,14 +150,13 @@ class PrefillMirror:
         # Counted when a copy is seen complete (its event synchronized), not when it is queued:
         # the sender thread counts what it waited for, the caller what was done at once.
         self._count_lock = threading.Lock()
-        self.copies = 0  # layer copies that moved bytes and completed (the staged path ran: worker stats)
-        self.copied_bytes = 0  # bytes those completed copies moved device-to-host
+        self.copied_bytes = 0  # bytes the completed copies moved device-to-host (worker stats)
 
     def copy(self, layer_name: str, main_blocks: np.ndarray, indexer_blocks: np.ndarray, after: Any | None) -> Any | None:
         """Queue the copy of the layer's ``main_blocks`` / ``indexer_blocks`` (device ids)
         into rows ``0..n-1`` of its mirror slot, after ``after`` (the compute event; None:
         written already). Returns the copy's event, or None where it is done already. The
-        copy counts in ``copies`` / ``copied_bytes`` once done: at once for a copy already
+        copy counts in ``copied_bytes`` once done: at once for a copy already
         done, else when the returned event's ``synchronize`` returns."""
         stream = self._stream
         self.device.after(stream, after)
@@ -176,7 +175,6 @@ class PrefillMirror:
     def _count(self, nbytes: int) -> None:
         if nbytes:
             with self._count_lock:  # the caller's thread and the sender thread both count
-                self.copies += 1
                 self.copied_bytes += nbytes
 
     def release_device(self, layer_name: str) -> None:
