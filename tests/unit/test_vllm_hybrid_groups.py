@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import free_base_port
 from test_vllm_scheduler import decode_params, ext, meta_of, prefill_params
-from vllm_kit import BLOCK, _extra, make_request, record_posts, runner_output, write_model
+from vllm_kit import BLOCK, engine_config, make_request, record_posts, runner_output, write_model
 
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
@@ -48,29 +48,7 @@ def specs(window: int = WINDOW) -> dict[str, Any]:
 
 
 def vllm_config(model: Path, role: str | None = None, *, batched: int = 512) -> Any:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-
-    transfer = None
-    if role is not None:
-        transfer = KVTransferConfig(kv_connector="RD2HConnector", kv_role=role,
-                                    kv_connector_extra_config=_extra(model, role, None))  # fmt: skip
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
-                                 enforce_eager=True),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched, max_model_len=512,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
-        kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
-    )  # fmt: skip
-    config.cache_config.kv_cache_layout = "LBHNC"
-    return config
+    return engine_config(model, role, batched=batched)
 
 
 def kv_cache_config(config: Any, memory: int = 4 << 20) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_kit import _extra, write_model
+from vllm_kit import engine_config, write_model
 
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
@@ -25,32 +25,7 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 def _vllm_config(model: Path, *, role: str | None = None, hybrid: bool = True, extra: dict | None = None,
                  **parallel: Any) -> Any:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-
-    transfer = None
-    if role is not None:
-        transfer = KVTransferConfig(kv_connector="RD2HConnector", kv_role=role,
-                                    kv_connector_extra_config=_extra(model, role, extra))  # fmt: skip
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
-                                 enforce_eager=True),
-        cache_config=CacheConfig(block_size=32),
-        scheduler_config=SchedulerConfig(max_model_len=512, is_encoder_decoder=False,
-                                         disable_hybrid_kv_cache_manager=not hybrid),
-        parallel_config=ParallelConfig(**parallel),
-        kv_transfer_config=transfer,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves on CPU
-    return config
+    return engine_config(model, role, extra=extra, parallel=parallel, disable_hybrid_kv_cache_manager=not hybrid)
 
 
 def _specs(window: int = 64) -> dict[str, Any]:

@@ -52,19 +52,46 @@ def _extra(model: Path, role: str, extra: dict | None) -> dict[str, Any]:
     return {**base, **(extra or {})}
 
 
-def make_scheduler(
-    model: Path, role: str, *, num_blocks: int = 64, batched: int = 128, extra: dict | None = None,
-    connector: str = "RD2HConnector", prefix_caching: bool = True, load_failure_policy: str = "fail",
-):
-    import torch
+def engine_config(
+    model: Path, role: str | None = None, *, extra: dict | None = None, batched: int = 128,
+    prefix_caching: bool = True, connector: str = "RD2HConnector", load_failure_policy: str = "fail",
+    parallel: dict | None = None, **scheduler: Any,
+) -> Any:
+    """A ``VllmConfig`` over ``model`` on CPU, blocks of ``BLOCK`` tokens; ``role``: rd2h's
+    connector (``extra``: its config) or none; ``scheduler``: more ``SchedulerConfig`` fields."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
+
+    transfer = None
+    if role is not None:
+        transfer = KVTransferConfig(kv_connector=connector, kv_role=role,
+                                    kv_connector_extra_config=_extra(model, role, extra),
+                                    kv_load_failure_policy=load_failure_policy)  # fmt: skip
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                                 enforce_eager=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched, max_model_len=512,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False, **scheduler),
+        parallel_config=ParallelConfig(**(parallel or {})), kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )  # fmt: skip
+    config.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves on CPU
+    return config
+
+
+def make_scheduler(
+    model: Path, role: str, *, num_blocks: int = 64, batched: int = 128, extra: dict | None = None,
+    connector: str = "RD2HConnector", prefix_caching: bool = True, load_failure_policy: str = "fail",
+):
+    import torch
     from vllm.plugins import load_general_plugins
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
@@ -74,19 +101,9 @@ def make_scheduler(
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-
     load_general_plugins()  # as every vLLM process does: our entry point registers the connector
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
-                                 enforce_eager=True),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched, max_model_len=512,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role=role,
-                                            kv_connector_extra_config=_extra(model, role, extra),
-                                            kv_load_failure_policy=load_failure_policy),
-        device_config=DeviceConfig("cpu"),
-    )
+    config = engine_config(model, role, extra=extra, batched=batched, prefix_caching=prefix_caching,
+                           connector=connector, load_failure_policy=load_failure_policy)  # fmt: skip
     config.cache_config.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv_config = KVCacheConfig(
