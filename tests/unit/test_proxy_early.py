@@ -83,3 +83,28 @@ def test_an_ask_not_signed_with_the_secret_is_refused() -> None:
 
     run(scenario, targets_url=URL)
 
+
+
+def test_the_cli_names_prefill_the_internal_listener_only_with_prefill_at_once() -> None:
+    import argparse
+    import socket
+
+    import pytest
+
+    from rd2h.cli.commands.proxy import add_parser, targets_url
+    from rd2h.errors import ConfigError
+    from rd2h.proxy.early import TARGETS_PATH
+
+    parser = add_parser(argparse.ArgumentParser().add_subparsers())
+
+    def url(*argv: str) -> str | None:
+        return targets_url(parser.parse_args(["--prefill", "http://p:1", "--decode", "http://d:2", *argv]), 8001,
+                           TARGETS_PATH)  # fmt: skip
+
+    assert url() is None  # the sequential flow
+    assert url("--prefill-at-once") == "http://127.0.0.1:8001" + TARGETS_PATH
+    assert url("--prefill-at-once", "--rendezvous-host", "0.0.0.0") == f"http://{socket.getfqdn()}:8001{TARGETS_PATH}"
+    assert url("--prefill-at-once", "--rendezvous-host", "fd00::1") == "http://[fd00::1]:8001" + TARGETS_PATH
+    assert url("--prefill-at-once", "--internal-url", "http://lb:9/") == "http://lb:9" + TARGETS_PATH
+    with pytest.raises(ConfigError, match="only with --prefill-at-once"):
+        url("--internal-url", "http://lb:9")  # it would do nothing: refused, not ignored

@@ -4,7 +4,6 @@ metaserver Decode posts its rendezvous to (``docs/vllm.md``). Needs ``rd2h[proxy
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 from typing import Any
 
@@ -121,6 +120,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def targets_url(args: argparse.Namespace, rendezvous_port: int, path: str) -> str | None:
+    """Where Prefill fetches its targets with ``--prefill-at-once`` (the internal listener as the
+    engines reach it: ``--internal-url``, or the rendezvous host, a wildcard replaced by this
+    host's name); None without it. ConfigError: ``--internal-url`` alone, which would do nothing."""
+    if not args.prefill_at_once:
+        if args.internal_url is not None:
+            raise ConfigError("--internal-url is used only with --prefill-at-once")
+        return None
+    host = args.rendezvous_host
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        host = socket.getfqdn()
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
+    return (args.internal_url or f"http://{host}:{rendezvous_port}").rstrip("/") + path
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.warmup_timeout > 0:
         raise ConfigError(f"--warmup-timeout must be more than 0 seconds, got {args.warmup_timeout:g}")
@@ -128,29 +144,23 @@ def run(args: argparse.Namespace) -> int:
         import asyncio
 
         from rd2h.proxy import ProxyConfig
+        from rd2h.proxy.early import TARGETS_PATH
         from rd2h.proxy.server import Listen, serve
     except ImportError as exc:
         raise ConfigError(f"rd2h proxy needs its extra: pip install 'rd2h[proxy]' ({exc})") from None
     from rd2h.vllm.vouch import load_secret
 
+    rendezvous_port = args.port + 1 if args.rendezvous_port is None else args.rendezvous_port
+    if (args.rendezvous_host, rendezvous_port) == (args.host, args.port):
+        raise ConfigError("the rendezvous listener needs its own port (--rendezvous-port)")
     config = ProxyConfig(
         prefill=args.prefill, decode=args.decode, secret=load_secret(args.secret_file),
         rendezvous_timeout=args.rendezvous_timeout, request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout, retries=args.retries, backoff=args.backoff,
         max_body_bytes=args.max_body_bytes, health_interval=args.health_interval, body_timeout=args.header_timeout,
         warmup=args.warmup, warmup_timeout=args.warmup_timeout,
+        targets_url=targets_url(args, rendezvous_port, TARGETS_PATH),
     )
-    rendezvous_port = args.port + 1 if args.rendezvous_port is None else args.rendezvous_port
-    if (args.rendezvous_host, rendezvous_port) == (args.host, args.port):
-        raise ConfigError("the rendezvous listener needs its own port (--rendezvous-port)")
-    internal_host = args.rendezvous_host
-    if internal_host in ("0.0.0.0", "::", ""):
-        import socket
-
-        internal_host = socket.getfqdn()
-    internal_url = (args.internal_url or f"http://{internal_host}:{rendezvous_port}").rstrip("/")
-    if args.prefill_at_once:
-        config = dataclasses.replace(config, targets_url=internal_url + "/v1/rd2h/targets")
     listen = Listen(
         host=args.host, port=args.port, rendezvous_host=args.rendezvous_host, rendezvous_port=rendezvous_port,
         header_timeout=args.header_timeout, max_connections=args.max_connections, drain_timeout=args.drain_timeout,
