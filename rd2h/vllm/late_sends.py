@@ -111,6 +111,9 @@ class LateSends:
                 targets = accept_late(self._secret, send.later, answer, req_id, self._clock())
                 if taken := [t.ext_id for t in targets if t.ext_id in self._sending]:
                     raise ValueError(f"id {taken[0]} is already sent by live request {self._sending[taken[0]]}")
+                if self._whole and send.finished and send.written < send.num_tokens:  # sent whole or not at all
+                    raise ValueError(f"vLLM finished it with {send.written} of its {send.num_tokens} prompt tokens "
+                                     "written: nothing whole to send")  # fmt: skip
             except ValueError as exc:
                 del self._send[req_id]
                 self.stats["targets_failed"] += 1
@@ -122,10 +125,6 @@ class LateSends:
             send.targets = targets
             self._sending.update((t.ext_id, req_id) for t in targets)
             self.stats["late_targets"] += 1
-            if self._whole and send.finished and send.written < send.num_tokens:
-                self._release.append(req_id)  # finished short of its prompt: nothing whole to send
-                del self._send[req_id]
-                continue
             if send.pending is None or (self._whole and send.written < send.num_tokens):
                 continue  # not scheduled yet, or sent whole with its last tokens: as any other
             groups, send.pending, send.started = tuple(tuple(g) for g in send.pending), None, True

@@ -189,3 +189,32 @@ def test_targets_that_come_while_prefill_computes_start_the_send_with_the_writte
     assert spec.written == 128 and len(spec.blocks[0]) == 4
     assert meta.computed == ((spec.ext_id, 256),)  # the rest as it is computed
     scheduler.connector.shutdown()
+
+
+def test_a_hybrid_request_finished_short_of_its_prompt_before_its_targets_is_refused_with_a_count(
+    tmp_path: Path,
+) -> None:
+    from test_vllm_hybrid_groups import hybrid_scheduler
+    from vllm.v1.request import RequestStatus
+
+    scheduler = hybrid_scheduler(write_model(tmp_path / "hybrid"), "kv_producer", batched=32)
+    ours = scheduler.connector.scheduler
+    proxy = Proxy()
+    ours._targets = TargetAsker(post=proxy)
+    pool = scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    req = "cmpl-h-0-abcdef12"
+    scheduler.add_request(make_request(req, 40, later("rh"), max_tokens=1))
+    out = scheduler.schedule()  # the first chunk: 32 of its 40 prompt tokens
+    assert out.num_scheduled_tokens == {req: 32}
+    scheduler.update_from_output(out, runner_output(out))
+    scheduler.finish_requests(req, RequestStatus.FINISHED_STOPPED)  # not aborted: its blocks held for the targets
+    assert pool.get_num_free_blocks() < free
+    proxy.answer(200, targets("rh"))
+    meta = until(scheduler, lambda m: m.release)  # several groups move whole: a part is never sent
+    assert meta.release == (req,) and not meta.send_new
+    assert ours.stats["targets_failed"] == 1 and ours.stats["late_targets"] == 0  # counted (and logged), not silent
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner_output(out, finished_sending={req}))
+    assert pool.get_num_free_blocks() == free
+    scheduler.connector.shutdown()
