@@ -173,11 +173,12 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
         parallel = vllm_config.parallel_config
         tp = int(parallel.tensor_parallel_size)
+        handoff = self.rd2h_config.handoff_port is not None
+        speculative = getattr(vllm_config, "speculative_config", None) is not None
         # pipeline parallel: served for one attention group in dense mode, alone (see check_parallel)
         check_parallel(
-            parallel, consumer=consumer, handoff=self.rd2h_config.handoff_port is not None,
+            parallel, consumer=consumer, handoff=handoff, speculative=speculative,
             groups=len(getattr(kv_cache_config, "kv_cache_groups", None) or ()), mode=self.rd2h_config.mode.value,
-            speculative=getattr(vllm_config, "speculative_config", None) is not None,
         )  # fmt: skip
         _check_speculative(vllm_config)  # a drafter with KV layers of its own: refused at startup
         # ports: the global DP rank (vLLM resets data_parallel_rank for dense DP) x pipeline stages
@@ -186,8 +187,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         check_groups(kv_cache_config, self.rd2h_config.mode)
         state = check_state_engine(
             kv_cache_config, pp=int(getattr(parallel, "pipeline_parallel_size", 1) or 1), tp=tp,
-            peer_tp=self.rd2h_config.peer_tp, handoff=self.rd2h_config.handoff_port is not None,
-            speculative=getattr(vllm_config, "speculative_config", None) is not None,
+            peer_tp=self.rd2h_config.peer_tp, handoff=handoff, speculative=speculative,
             replay=bool(getattr(vllm_config.cache_config, "use_replayssm", False)),
             layout=getattr(vllm_config.cache_config, "kv_cache_layout", None),
         )  # fmt: skip
