@@ -11,16 +11,18 @@ tokens depend on the bytes that came that way.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_vllm_convention import metric
+from test_vllm_pd import complete
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
+ASK: dict[str, Any] = {"max_tokens": 12, "timeout": 180}  # test_vllm_pd.complete's options here
 _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "tiny", "models", "stage"]
 # one prompt Prefill computes over three steps (max_num_batched_tokens=128): the mirror's
 # slots are refilled within a request
@@ -46,24 +48,6 @@ def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         cluster.close()
 
 
-def complete(url: str, prompts: list[str]) -> list[list[int]]:
-    import httpx
-
-    body = {"model": "tiny", "prompt": prompts, "max_tokens": 12, "temperature": 0,
-            "return_token_ids": True, "ignore_eos": True}
-    response = httpx.post(url + "/v1/completions", json=body, timeout=180)
-    assert response.status_code == 200, response.text
-    return [c["token_ids"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
-
-
-def metric(url: str, name: str) -> float:
-    """The sum of a series' samples on an engine's /metrics."""
-    import httpx
-
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{.*}})? (\S+)$", text, re.M))
-
-
 def grows(url: str, name: str, above: float, within: float = 30.0) -> float:
     """The series' value once it exceeds ``above`` (vLLM reports a step's stats with the
     step's output: the last step's may land just after the response), bounded."""
@@ -77,7 +61,7 @@ def grows(url: str, name: str, above: float, within: float = 30.0) -> float:
 @pytest.fixture(scope="module")
 def baseline(cluster: Any) -> list[list[int]]:
     """One engine, no transfer: the Prefill engine asked directly."""
-    return complete(cluster.url("prefill"), PROMPTS)
+    return complete(cluster.url("prefill"), PROMPTS, **ASK)
 
 
 def test_staged_pd_tokens_equal_a_single_engine_and_the_bytes_went_through_the_staging_copies(
@@ -87,7 +71,7 @@ def test_staged_pd_tokens_equal_a_single_engine_and_the_bytes_went_through_the_s
     prefill, decode = cluster.url("prefill"), cluster.url("decode")
     staged, landed = metric(prefill, "vllm:rd2h_staged_bytes_total"), metric(decode, "vllm:rd2h_landed_bytes_total")
     pulled = metric(decode, "vllm:rd2h_pulled_bytes_total")
-    assert complete(cluster.url("proxy"), PROMPTS) == baseline
+    assert complete(cluster.url("proxy"), PROMPTS, **ASK) == baseline
     staged_now = grows(prefill, "vllm:rd2h_staged_bytes_total", staged)
     landed_now = grows(decode, "vllm:rd2h_landed_bytes_total", landed)
     pulled_now = grows(decode, "vllm:rd2h_pulled_bytes_total", pulled)
@@ -105,7 +89,7 @@ def test_negative_control_corrupted_landing_changes_tokens(cluster: Any, baselin
     # (test-only hook): if the tokens still matched, the equality above would prove nothing.
     cluster.ensure(decode={"_test_corrupt": True})
     landed = metric(cluster.url("decode"), "vllm:rd2h_landed_bytes_total")
-    got = complete(cluster.url("proxy"), PROMPTS)
+    got = complete(cluster.url("proxy"), PROMPTS, **ASK)
     assert [len(t) for t in got] == [len(t) for t in baseline]
     assert got[1] != baseline[1] and got[2] != baseline[2]
     assert grows(cluster.url("decode"), "vllm:rd2h_landed_bytes_total", landed) > landed  # staged all the same
