@@ -5,7 +5,7 @@ targets come from (:class:`~rd2h.vllm.params.Later`). For each such request the 
 asks that URL once (a body signed with the shared secret); the proxy answers when every Decode
 rendezvous is in, with Prefill fields carrying the targets, signed by it. The asks run on one
 event-loop thread owned by :class:`TargetAsker`, so that vLLM's scheduler never waits on the
-network; each is bounded by the request's ``wait`` (plus a second for the answer to travel).
+network; each is bounded by the request's ``wait`` (the HTTP timeout too).
 Results are taken by the scheduler each step; :meth:`TargetAsker.wait` lets an idle step wait
 for the next one (woken by its arrival, not polled).
 """
@@ -68,7 +68,7 @@ class TargetAsker:
 
     async def _ask(self, req_id: str, url: str, body: dict[str, Any], wait: float) -> None:
         try:
-            status, answer = await asyncio.wait_for(self._send(url, body, wait + 1.0), wait)
+            status, answer = await asyncio.wait_for(self._send(url, body, wait), wait)
             error = "" if status == 200 else f"the proxy answered {status}: {str(answer)[:300]}"
         except asyncio.CancelledError:
             return
