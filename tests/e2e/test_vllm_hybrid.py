@@ -41,11 +41,8 @@ def swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def swa_cluster(swa_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm_cluster import Cluster
 
-    cluster = Cluster(swa_model, tmp_path_factory.mktemp("swa-cluster"))
-    try:
+    with Cluster(swa_model, tmp_path_factory.mktemp("swa-cluster")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 def test_sliding_window_model_with_the_hybrid_allocator_equals_one_engine(swa_cluster: Any) -> None:

@@ -49,11 +49,8 @@ def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mamba_cluster(hybrid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm_cluster import Cluster
 
-    cluster = Cluster(hybrid_model, tmp_path_factory.mktemp("mamba-cluster"))
-    try:
+    with Cluster(hybrid_model, tmp_path_factory.mktemp("mamba-cluster")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 def test_mamba_hybrid_equals_one_engine(mamba_cluster: Any) -> None:

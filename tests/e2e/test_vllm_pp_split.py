@@ -42,11 +42,8 @@ def three_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def split_cluster(three_layers: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm_cluster import Cluster
 
-    cluster = Cluster(three_layers, tmp_path_factory.mktemp("pp-split"))
-    try:
+    with Cluster(three_layers, tmp_path_factory.mktemp("pp-split")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 def test_prefill_pp3_to_decode_pp2_equals_one_engine(split_cluster: Any) -> None:

@@ -40,12 +40,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm_cluster import Cluster
 
-    cluster = Cluster(model, tmp_path_factory.mktemp("cluster"), env={"RD2H_STAGING": "always"})
-    try:
+    with Cluster(model, tmp_path_factory.mktemp("cluster"), env={"RD2H_STAGING": "always"}) as cluster:
         cluster.ensure()
         yield cluster
-    finally:
-        cluster.close()
 
 
 def grows(url: str, name: str, above: float, within: float = 30.0) -> float:

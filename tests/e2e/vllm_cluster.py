@@ -320,6 +320,12 @@ class Cluster:
         """The last ``lines`` lines of each process's log, by process name."""
         return {f"{name} ({proc.log.name})": proc.tail(lines) for name, proc in self.procs.items()}
 
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         if self in _LIVE:
             _LIVE.remove(self)
