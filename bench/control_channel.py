@@ -116,14 +116,14 @@ def run_rounds(rounds: int, messages: int, layers: int, baseline: str | None = N
     results = []
     port = 7500 + (os.getpid() % 500) * 4
     for n in range(rounds):
-        row: dict[str, dict[str, float]] = {"load": {"p50_us": os.getloadavg()[0]}}
+        row: dict[str, dict[str, float]] = {"load": {"average": os.getloadavg()[0]}}
         shift = n % len(arms)
         for label, arm in arms[shift:] + arms[:shift]:
             port += 2
             row[label] = arm(port)
         results.append(row)
         arms_us = ", ".join(f"{k} {v['p50_us']:.0f}" for k, v in row.items() if k != "load")
-        print(f"round {n + 1}/{rounds} (load {row['load']['p50_us']:.1f}): {arms_us} us p50",
+        print(f"round {n + 1}/{rounds} (load {row['load']['average']:.1f}): {arms_us} us p50",
               file=sys.stderr, flush=True)
     return results
 
@@ -131,7 +131,7 @@ def run_rounds(rounds: int, messages: int, layers: int, baseline: str | None = N
 def summarize(rows: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Per arm: median p50 over rounds, and its ratio to the same round's zmq ping-pong."""
     out: dict[str, dict[str, float]] = {}
-    loads = [r["load"]["p50_us"] for r in rows if "load" in r]
+    loads = [r["load"]["average"] for r in rows if "load" in r]
     if loads:
         out["load"] = {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}
     for label in (k for k in rows[0] if k != "load"):
