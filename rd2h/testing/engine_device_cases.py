@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from rd2h.engine_support import kinds_for_options
+from rd2h.engine_support import kinds_for_options, kinds_in_use
 from rd2h.errors import TransferError
 from rd2h.interfaces import MemoryKinds, Region, TransferEngine
 from rd2h.layout.regions import device_type
@@ -53,7 +53,7 @@ class DeviceCases:
 
     @pytest.mark.parametrize("kind", [*DEVICE_TYPES, FAKE])
     def test_refuses_memory_it_does_not_move(self, reader: Reader, kind: str) -> None:
-        kinds = reader.engine.memory_kinds_in_use().for_role(self.reader_role)  # as configured for the suite
+        kinds = kinds_in_use(reader.engine).for_role(self.reader_role)  # as configured for the suite
         if kind in kinds:
             pytest.skip(f"{self.engine_name} as configured moves {kind} memory as {self.reader_role}")
         labelled = Region(reader.addr, 4096, f"{kind}:0")  # host memory: refused before anything touches it
@@ -68,7 +68,7 @@ class DeviceCases:
         """Skip unless the engine as configured for the suite moves ``kind`` memory on ``side``
         (``memory_kinds_in_use``; for ``reads_from`` the peer's options count too: the peer
         registers that memory) and such a device is here."""
-        kinds = [engine.memory_kinds_in_use()]
+        kinds = [kinds_in_use(engine)]
         if side == "reads_from":
             peer_options = self.engine_options_for(self.peer_role)  # type: ignore[attr-defined]
             kinds.append(kinds_for_options(type(engine), peer_options))
