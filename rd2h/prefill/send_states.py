@@ -16,7 +16,8 @@ earlier request can never touch a later one with the same id.
 
 Endpoints (``EndpointState``)::
 
-    NEW --send (mf_meta first)--> INTRODUCED --META_REQUIRED--> NEW
+    NEW --send (mf_meta first)--> INTRODUCED
+    NEW/INTRODUCED --META_REQUIRED--> REVIVED --everything in flight sent again (mf_meta first)--> REINTRODUCED
     NEW/INTRODUCED/REINTRODUCED --oldest readiness unanswered past reply_timeout--> SILENT
     SILENT --a new request names it--> REVIVED --send (mf_meta first)--> REINTRODUCED
     REINTRODUCED --every mf_meta acknowledged--> INTRODUCED
@@ -24,7 +25,10 @@ Endpoints (``EndpointState``)::
 A SILENT endpoint's readiness counts as answered, the requests naming it fail with
 :class:`~rd2h.errors.ReplyTimeout` and the connection is dropped. After a revival, replies
 that come before Decode acknowledges the new mf_meta answer abandoned readiness (the dialer
-keeps its identity across reconnects) and are dropped as stale.
+keeps its identity across reconnects) and are dropped as stale. So are those after
+META_REQUIRED: a Decode that restarted while Prefill still wrote to its old connection lost
+what was written there and answers the rest META_REQUIRED, in order; as a reply is paired
+with the oldest readiness of its layer, every readiness in flight is sent again.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class EndpointState(Enum):
     NEW = "new"  # no mf_meta sent on this connection
     INTRODUCED = "introduced"
     SILENT = "silent"  # abandoned after reply_timeout; skipped until revived
-    REVIVED = "revived"  # named again after silence; no mf_meta sent on the new connection yet
+    REVIVED = "revived"  # named again after silence, or META_REQUIRED; no mf_meta sent on the new connection yet
     REINTRODUCED = "reintroduced"  # mf_meta sent again; replies before its ACK are stale
 
 
@@ -109,8 +113,8 @@ ENDPOINT_TRANSITIONS = {
     (_E.REVIVED, _EE.SEND): _E.REINTRODUCED,
     (_E.REINTRODUCED, _EE.SEND): _E.REINTRODUCED,
     (_E.REINTRODUCED, _EE.ACKED): _E.INTRODUCED,
-    (_E.NEW, _EE.META_REQUIRED): _E.NEW,
-    (_E.INTRODUCED, _EE.META_REQUIRED): _E.NEW,
+    (_E.NEW, _EE.META_REQUIRED): _E.REVIVED,
+    (_E.INTRODUCED, _EE.META_REQUIRED): _E.REVIVED,
     (_E.NEW, _EE.SEND_FAILED): _E.NEW,
     (_E.INTRODUCED, _EE.SEND_FAILED): _E.NEW,
     (_E.REVIVED, _EE.SEND_FAILED): _E.REVIVED,

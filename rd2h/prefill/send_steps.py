@@ -9,6 +9,7 @@ request drops out of it (failed or aborted) before its remaining layers go out.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -61,6 +62,9 @@ class RequestRecord:
     error: RD2HError | None = None
 
 
+_SENT = itertools.count()
+
+
 @dataclass(eq=False, slots=True)
 class SentReadiness:
     """A readiness awaiting its reply from one endpoint."""
@@ -70,7 +74,8 @@ class SentReadiness:
     slots: Ids
     requests: list[RequestRecord]
     at: float
-    resent: bool = False  # repeated once after META_REQUIRED
+    seq: int = field(default_factory=_SENT.__next__)  # send order: what is sent again after META_REQUIRED keeps it
+    resent: bool = False  # sent again once after META_REQUIRED
 
 
 @dataclass(eq=False, slots=True)
@@ -93,6 +98,20 @@ class EndpointRecord:
     def final(self, layer_idx: int, source_last: bool) -> bool:
         """Whether this layer's readiness carries the final signal to this endpoint."""
         return source_last if self.last is None else layer_idx == self.last
+
+    def take_unread(self) -> tuple[list[SentReadiness], list[SentReadiness]]:
+        """Decode answered META_REQUIRED: nothing in flight to it was read, or will be before a
+        new mf_meta. The readiness to send again, in send order (now marked resent), and those
+        already sent again once (no longer in flight: they fail)."""
+        pending = sorted((s for waiting in self.in_flight.values() for s in waiting), key=lambda s: s.seq)
+        spent = [s for s in pending if s.resent]
+        if spent:
+            kept = {i: deque(s for s in waiting if not s.resent) for i, waiting in self.in_flight.items()}
+            self.in_flight = {i: waiting for i, waiting in kept.items() if waiting}
+        again = [s for s in pending if not s.resent]
+        for sent in again:
+            sent.resent = True
+        return again, spent
 
 
 

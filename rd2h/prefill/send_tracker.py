@@ -5,11 +5,8 @@ unanswered, and how each request ends (pure: no threads, no I/O, no clock reads)
 (reply frames, silence) and carries out what it returns (frames to send, slots to release,
 connections to drop). Every call that can end a request takes ``now``.
 
-Its states and transition tables are drawn in :mod:`rd2h.prefill.send_states`: a request is ACTIVE,
-then FINAL, FAILING or ABORTING, and settles DONE, FAILED or ABORTED once no readiness naming it is
-unanswered; each is reported exactly once (``take``/``collect``), and then no state of it is left.
-In-flight readiness names request *instances*, never ids, so a late reply about an earlier request
-can never touch a later one with the same id. What a step announces is built in
+Its states and transition tables are drawn in :mod:`rd2h.prefill.send_states` (each request is
+reported exactly once, then no state of it is left); what a step announces is built in
 :mod:`rd2h.prefill.send_steps`; which Decode ranks get which layers, in :mod:`rd2h.prefill.stage_routes`.
 
 Remote input never raises: malformed frames, replies for layers not in flight or from unknown
@@ -54,6 +51,7 @@ from rd2h.prefill.send_states import (
 )
 from rd2h.prefill.send_steps import (
     Effects,
+    EndpointRecord,
     RequestRecord,
     RequestSlots,
     SentReadiness,
@@ -174,12 +172,9 @@ class SendTracker:
         self._requests[ext_id] = self._slots.owner[request.slot] = request
 
     def extend(self, ext_id: str, *, main_block_ids: Iterable[int] = (), indexer_block_ids: Iterable[int] = ()) -> None:
-        """Append source block ids (chunked prefill learns them step by step).
-
-        Ignored for a request that already failed or ended. Raises UnknownRequestError for
-        an id never added (or already collected), ConfigError for bad ids or indexer ids
-        for a request whose indexer uses the main ids.
-        """
+        """Append source block ids (chunked prefill learns them step by step); ignored for a request that
+        failed or ended. UnknownRequestError for an id never added (or already collected), ConfigError
+        for bad ids or indexer ids for a request whose indexer uses the main ids."""
         request = self._requests.get(ext_id)
         if request is None:
             if ext_id in self._book:
@@ -342,25 +337,34 @@ class SendTracker:
             return effects
         if endpoint is not None and endpoint.state in STALE:
             return self._ignore(effects, "stale")
+        if endpoint is not None and isinstance(reply, protocol.ReadFailed) and reply.needs_meta:
+            return self._reintroduce(address, endpoint, reply, effects, now)
         waiting = None if endpoint is None else endpoint.in_flight.get(reply.layer_idx)
         if endpoint is None or not waiting:
             return self._ignore(effects, "stray")
         sent = waiting.popleft()
-        if isinstance(reply, protocol.ReadFailed) and reply.needs_meta:
-            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.META_REQUIRED, address)
-            if not sent.resent:  # a restarted Decode read nothing: introduce ourselves, repeat once
-                sent.resent = True
-                endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
-                endpoint.unacked += 1
-                waiting.append(sent)  # its answer now comes after those already owed
-                effects.sends += [(address, sent.layer_idx, self._meta), (address, sent.layer_idx, sent.frame)]
-                return effects
         if not waiting:
             del endpoint.in_flight[reply.layer_idx]
         if isinstance(reply, protocol.ReadFailed):
             self._ignore(effects, "unknown_failed_ids", self._fail_named(sent, reply, reply.exception(address), now))
         self._answered(sent, now)
         effects.released.append((sent.layer_idx, address))
+        return effects
+
+    def _reintroduce(self, address: str, endpoint: EndpointRecord, reply: protocol.ReadFailed, effects: Effects,
+                     now: float) -> Effects:  # fmt: skip
+        """META_REQUIRED: no reply can be paired with what it answers (see send_states). All in flight
+        goes again once, after one mf_meta, in send order; replies before its ACK are stale."""
+        again, spent = endpoint.take_unread()
+        endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.META_REQUIRED, address)
+        for sent in spent:  # sent again once already: it fails
+            self._fail_named(sent, reply, reply.exception(address), now)
+            self._answered(sent, now)
+            effects.released.append((sent.layer_idx, address))
+        if again:
+            endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
+            endpoint.unacked = 1  # an earlier mf_meta went to a Decode that is gone
+            effects.sends += [(address, again[0].layer_idx, self._meta), *((address, s.layer_idx, s.frame) for s in again)]
         return effects
 
     def send_failed(self, address: str, layer_idx: int, error: BaseException, now: float) -> Effects:

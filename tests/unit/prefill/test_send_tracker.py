@@ -97,7 +97,8 @@ def test_a_request_ends_done_once_every_layer_is_answered() -> None:
 def test_a_layer_announced_again_before_its_reply_is_answered_in_order() -> None:
     """vLLM's paged cache reuses no slot: step 2 announces layer 0 for another request while
     step 1's layer 0 is unanswered. Each reply answers the endpoint's oldest readiness of the
-    layer (Decode answers a peer in order); a META_REQUIRED puts the repeated one last."""
+    layer (Decode answers a peer in order); a META_REQUIRED sends what is unanswered again after
+    one mf_meta, and the replies before its ACK are stale."""
     t = tracker()
     t.add_request("a", D0, main_block_ids=[1], num_tokens=4, now=0.0)
     t.add_request("b", D0, main_block_ids=[2], num_tokens=4, now=0.0)
@@ -111,6 +112,9 @@ def test_a_layer_announced_again_before_its_reply_is_answered_in_order() -> None
     restarted = t.on_reply(A0, protocol.encode(protocol.ReadFailed.meta_required(0)), 0.0)
     assert [f for _, _, f in restarted.sends] == [META, second[-1][2]]  # b is repeated, now last
     assert t.unanswered("a") == 0 and t.unanswered("b") == 1
+    t.on_reply(A0, failed(0, ("b",), RemoteError("read failed")), 0.0)  # before the ACK: stale
+    assert t.unanswered("b") == 1 and t.counters["stale"] == 1
+    t.on_reply(A0, protocol.ACK_FRAME, 0.0)
     t.on_reply(A0, failed(0, ("b",), RemoteError("read failed")), 0.0)
     assert t.unanswered("b") == 0 and t.in_flight(A0) == frozenset()
 
@@ -264,9 +268,10 @@ def test_meta_required_is_answered_once_then_fails_the_layer() -> None:
     _, _, frame = t.announce(step, 0, "l0", 0.0)[1].sends[1]
     effects = t.on_reply(A0, protocol.encode(protocol.ReadFailed.meta_required(0)), 1.0)
     assert effects.sends == [(A0, 0, META), (A0, 0, frame)] and effects.released == []
+    t.on_reply(A0, protocol.ACK_FRAME, 1.0)  # before it, another META_REQUIRED would answer what was lost
     effects = t.on_reply(A0, protocol.encode(protocol.ReadFailed.meta_required(0)), 1.0)
     assert effects.released == [(0, A0)]
-    assert t.endpoint_state(A0) is EndpointState.NEW  # the next readiness introduces us again
+    assert t.endpoint_state(A0) is EndpointState.REVIVED  # the next readiness introduces us again
     assert t.take()["r"].state is TerminalState.FAILED
 
 
