@@ -80,8 +80,8 @@ class PeerLayers:
                 continue  # the general path raises it, for the requests that layer names
             if _inside(s, src_regions) and _inside(d, dst_regions):
                 found.setdefault((_shape(s), _shape(d)), []).append((name, s, d))
-        self._groups: dict[str, tuple[tuple[_Shape, _Shape], _Group]] = {}
-        for shapes, members in found.items():
+        self._groups: dict[str, _Group] = {}
+        for members in found.values():
             group = _Group(
                 {name: row for row, (name, _, _) in enumerate(members)},
                 np.array([[t.base_addr for t in s.tensors()] for _, s, _ in members], dtype=np.int64),
@@ -89,42 +89,39 @@ class PeerLayers:
                 np.array([t.nbytes for t in members[0][1].tensors()], dtype=np.int64),
                 np.array([t.nbytes for t in members[0][2].tensors()], dtype=np.int64),
             )
-            for name, _, _ in members:
-                self._groups[name] = (shapes, group)
+            self._groups.update(dict.fromkeys(group.rows, group))
 
     def group(self, layer_name: str) -> _Group | None:
-        entry = self._groups.get(layer_name)
-        return None if entry is None else entry[1]
+        return self._groups.get(layer_name)
 
 
 class Lane:
     """One step of one peer: the admission to repeat and every same-shaped layer's descriptors.
 
-    ``fits`` says whether a readiness is the next layer of this step (same peer, same
+    ``fits`` says whether a readiness of its peer is the next layer of this step (same
     ``read_reqs`` bytes, contributor and ratio, no final signal); ``descriptors`` gives a
     layer's ``(local, remote, lengths)`` or None where the layer has no row.
     """
 
     __slots__ = (
-        "identity", "peer", "reqs_bytes", "member", "ratio", "admission", "peer_token", "reads", "requests",
+        "peer", "reqs_bytes", "member", "ratio", "admission", "peer_token", "reads", "requests",
         "nbytes", "rows", "local", "remote", "lengths", "key",
     )
 
     def __init__(
-        self, *, identity: bytes, peer: object, batch: ReadReadyBatch, admission: Admission, peer_token: object,
+        self, *, peer: object, batch: ReadReadyBatch, admission: Admission, peer_token: object,
         reads: Sequence[RequestRead], rows: dict[str, int], local: Int64Array, remote: Int64Array,
         lengths: Int64Array, requests: tuple[str, ...], nbytes: int, key: Hashable,
     ) -> None:
-        self.identity, self.peer = identity, peer  # peer: the AdmittedPeer the lane was made for
+        self.peer = peer  # the AdmittedPeer the lane was made for
         self.reqs_bytes, self.member, self.ratio = batch.reqs_bytes, batch.group_member_idx, batch.tp_ratio
         self.admission, self.peer_token, self.reads = admission, peer_token, reads
         self.rows, self.local, self.remote, self.lengths = rows, local, remote, lengths
         self.requests, self.nbytes, self.key = requests, nbytes, key
 
-    def fits(self, identity: bytes, batch: ReadReadyBatch) -> bool:
+    def fits(self, batch: ReadReadyBatch) -> bool:
         return (
-            identity == self.identity
-            and not batch.done_ext_ids
+            not batch.done_ext_ids
             and batch.group_member_idx == self.member
             and batch.tp_ratio == self.ratio
             and batch.reqs_bytes == self.reqs_bytes
@@ -160,7 +157,7 @@ class Lane:
 
     @classmethod
     def of(
-        cls, *, identity: bytes, peer: object, batch: ReadReadyBatch, admission: Admission, peer_token: object,
+        cls, *, peer: object, batch: ReadReadyBatch, admission: Admission, peer_token: object,
         reads: Sequence[RequestRead], plan: LayerPlan, table: PeerLayers, nbytes: int, key: Hashable,
     ) -> Lane | None:
         """A lane from the clean plan of ``batch``'s layer, or None where it cannot be moved."""
@@ -169,7 +166,7 @@ class Lane:
             return None
         group, tensor, src_offsets, dst_offsets = found
         return cls(
-            identity=identity, peer=peer, batch=batch, admission=admission, peer_token=peer_token, reads=reads,
+            peer=peer, batch=batch, admission=admission, peer_token=peer_token, reads=reads,
             rows=group.rows, local=group.dst_bases[:, tensor] + dst_offsets,
             remote=group.src_bases[:, tensor] + src_offsets, lengths=plan.lengths.copy(),
             requests=plan.requests, nbytes=nbytes, key=key,

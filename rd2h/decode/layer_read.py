@@ -57,6 +57,7 @@ class AdmittedPeer:
     layers: dict[str, LayerLayout]
     session: Session
     regions: RegionSet
+    lanes: PeerLayers | None = None  # what a step's lane needs of its layers: derived at admission
 
 
 @dataclass(slots=True)
@@ -140,7 +141,6 @@ class LayerReader:
         # a step's next small layers from one peer: precomputed, admitted again in one call
         self.lanes = True  # False: every readiness takes the general path (tests compare the two)
         self._lanes: dict[bytes, Lane] = {}  # identity -> its latest step's lane
-        self._tables: dict[int, tuple[AdmittedPeer, PeerLayers]] = {}  # id(peer) -> what lanes need of it
 
     def learn_peer(self, peer: AdmittedPeer) -> None:
         """Validate and describe a new peer's layouts now, not on the first layer of a step."""
@@ -149,15 +149,13 @@ class LayerReader:
             (name, layout, self._layers[name]) for name, layout in peer.layers.items() if name in self._layers
         )
         if self.lanes:  # derived at admission, not on a step's first layer
-            if len(self._tables) >= 2 * len(self._peers) + 8:  # peers come and go: keep the admitted ones
-                admitted = {id(p) for p in self._peers.values()}
-                self._tables = {k: e for k, e in self._tables.items() if k in admitted}
-                self._lanes = {i: lane for i, lane in self._lanes.items() if id(lane.peer) in admitted}
-            self._tables[id(peer)] = (peer, PeerLayers(peer.layers, self._layers, peer.regions, self._regions))
+            peer.lanes = PeerLayers(peer.layers, self._layers, peer.regions, self._regions)
+        # a lane holds its peer: the lanes of peers no longer admitted (or admitted again) go
+        self._lanes = {i: lane for i, lane in self._lanes.items() if self._peers.get(i) is lane.peer}
 
     def on_ready(self, identity: bytes, batch: protocol.ReadReadyBatch) -> None:
         lane = self._lanes.get(identity)
-        if lane is not None and lane.fits(identity, batch) and self._lane_read(lane, identity, batch):
+        if lane is not None and lane.fits(batch) and self._lane_read(lane, identity, batch):
             return
         started = time.perf_counter()
         with self._changed:
@@ -210,16 +208,13 @@ class LayerReader:
         if batch.done_ext_ids or admission.refused or not batch.reqs_bytes:
             return
         peer = self._peers.get(identity)
-        if peer is None:
-            return
-        entry = self._tables.get(id(peer))
-        if entry is None or entry[0] is not peer:
+        if peer is None or peer.lanes is None:
             return  # learnt while lanes were off
         with self._changed:
             token = self._tracker.peer_token(identity)
         lane = Lane.of(
-            identity=identity, peer=peer, batch=batch, admission=admission, peer_token=token, reads=reads,
-            plan=plan, table=entry[1], nbytes=plan.nbytes, key=key,
+            peer=peer, batch=batch, admission=admission, peer_token=token, reads=reads, plan=plan, table=peer.lanes,
+            nbytes=plan.nbytes, key=key,
         )  # fmt: skip
         if lane is not None:
             self._lanes[identity] = lane
