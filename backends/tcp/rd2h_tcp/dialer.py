@@ -10,6 +10,7 @@ needed, except when the set of connections changes (a pipe makes ``recv`` look a
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
@@ -25,6 +26,7 @@ from rd2h.interfaces import Dialer
 from rd2h.quiet_log import quiet
 from rd2h.wake_pipe import WakePipe
 from rd2h_tcp.addresses import parse
+from rd2h_tcp.busy_poll import poll_briefly
 from rd2h_tcp.framing import IDENTITY_BYTES, MAGIC, FrameReader, encode
 from rd2h_tcp.settings import Settings
 
@@ -71,6 +73,8 @@ class TcpDialer(Dialer):
         self._poller = select.poll()
         self._wake = WakePipe()  # a kick: recv looks again; a wake: recv returns None
         self._inbox = memoryview(bytearray(_READ_BYTES))  # every recv lands here, under the lock (see _read)
+        self._busy_poll = settings.busy_poll
+        self._busy_until = 0.0  # recv polls without sleeping until then: busy_poll after the last frame
 
     @property
     def identity(self) -> bytes:
@@ -111,6 +115,8 @@ class TcpDialer(Dialer):
                 raise ChannelError(f"send to {address} failed: {exc}") from exc
 
     def _write(self, link: _Link, data: bytes) -> None:  # under the lock
+        if self._busy_poll:
+            self._busy_until = time.monotonic() + self._busy_poll
         try:
             sent = link.sock.send(data)
         except (BlockingIOError, InterruptedError):
@@ -168,8 +174,13 @@ class TcpDialer(Dialer):
                     for fd in self._by_fd:
                         self._poller.register(fd, _POLL_IN)
                 poller = self._poller
-            left = deadline - time.monotonic()
-            events = poller.poll(max(0, math.ceil(left * 1000)))
+            events: list[tuple[int, int]] = []
+            if self._busy_poll and min(self._busy_until, deadline) > time.monotonic():
+                # a reply to what was just sent is likely microseconds away: wait for it awake
+                events = poll_briefly(functools.partial(poller.poll, 0), min(self._busy_until, deadline))
+            if not events:
+                left = deadline - time.monotonic()
+                events = poller.poll(max(0, math.ceil(left * 1000)))
             woken = False
             with self._lock:
                 self._check_open()
@@ -206,6 +217,8 @@ class TcpDialer(Dialer):
         reader = link.reader
         for payload in reader.feed(data):
             self._ready.append((link.address, payload))
+        if self._busy_poll:
+            self._busy_until = time.monotonic() + self._busy_poll
         if reader.error is not None:
             quiet(log).warning(
                 "not rd2h tcp", link.address, "closed the connection to %s: it sent %s (is it a zmq endpoint? "

@@ -10,6 +10,7 @@ once that loop has stopped.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import select
@@ -24,6 +25,7 @@ from rd2h.errors import ChannelError, PortInUseError
 from rd2h.interfaces import Listener
 from rd2h.quiet_log import quiet
 from rd2h_tcp.addresses import Address, show
+from rd2h_tcp.busy_poll import poll_briefly
 from rd2h_tcp.framing import IDENTITY_BYTES, MAGIC, FrameReader, encode
 from rd2h_tcp.settings import Settings
 
@@ -113,6 +115,9 @@ class TcpListener(Listener):
         self._book = ConnectionBook(settings.max_unadmitted_connections)
         self._resume_below = max(1, settings.max_queued_bytes // 2)
         self._inbox = memoryview(bytearray(_READ_BYTES))  # every recv lands here (see _read)
+        self._busy_poll = settings.busy_poll
+        self._busy_until = 0.0  # recv polls without sleeping until then: busy_poll after the last frame
+        self._poll_now = functools.partial(self._epoll.poll, 0)
 
     def _bind_unix(self, sock: socket.socket, address: str, path: str) -> None:
         try:
@@ -147,8 +152,12 @@ class TcpListener(Listener):
             return self._take()
         deadline = time.monotonic() + max(0.0, timeout)
         wait = max(0.0, timeout)
+        found: list[tuple[int, int]] = []
+        if self._busy_poll and min(self._busy_until, deadline) > time.monotonic():
+            found = poll_briefly(self._poll_now, min(self._busy_until, deadline))
+            wait = max(0.0, deadline - time.monotonic())
         while True:
-            for fd, events in self._epoll.poll(wait):
+            for fd, events in found or self._epoll.poll(wait):
                 if fd == self._lfd:
                     self._accept()
                     continue
@@ -159,6 +168,7 @@ class TcpListener(Listener):
                     self._flush(conn)
                 if events & ~_OUT and not conn.closed:
                     self._read(conn)
+            found = []
             if self._book.unadmitted > self._book.soft:
                 self._enforce()  # silent connections may have outlived their grace since
             if self._ready:
@@ -242,6 +252,8 @@ class TcpListener(Listener):
                 self._close(old)  # a reconnect of the same dialer: the old connection is a leftover
         conn.frames.extend(frames)
         conn.queued += sum(map(len, frames))
+        if self._busy_poll:
+            self._busy_until = time.monotonic() + self._busy_poll
         if not conn.in_ready:
             conn.in_ready = True
             self._ready.append(conn)
@@ -274,6 +286,8 @@ class TcpListener(Listener):
             raise ChannelError(f"peer {peer!r} on {self._address} is gone: {exc}") from exc
         if sent < len(data):
             self._hold(conn, peer, memoryview(data)[sent:])
+        if self._busy_poll:
+            self._busy_until = time.monotonic() + self._busy_poll  # the peer's next frame is likely near
 
     def _hold(self, conn: _Conn, peer: bytes, rest: memoryview) -> None:
         settings = self._settings

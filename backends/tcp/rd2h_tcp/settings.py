@@ -15,3 +15,4 @@ class Settings:
     high_water_mark: int  # replies a listener holds per peer that does not read
     max_queued_bytes: int  # bytes a listener holds per peer, each way
     max_unadmitted_connections: int
+    busy_poll: float = 0.0  # seconds an end keeps polling without sleeping after its last frame (0: never)

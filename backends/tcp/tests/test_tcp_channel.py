@@ -69,7 +69,8 @@ def test_a_malformed_address_is_a_channel_error_naming_it(bad: str) -> None:
 
 def test_options_are_checked() -> None:
     for bad in ({"max_frame_bytes": 0}, {"max_frame_bytes": 1 << 32}, {"send_timeout": 0}, {"high_water_mark": True},
-                {"allow_insecure": "yes"}, {"max_unadmitted_connections": -1}):
+                {"allow_insecure": "yes"}, {"max_unadmitted_connections": -1},
+                {"busy_poll_us": -1}, {"busy_poll_us": 100_001}, {"busy_poll_us": True}, {"busy_poll_us": 0.5}):
         with pytest.raises(ConfigError):
             plugins.load_channel("tcp", **bad)
 

@@ -20,6 +20,14 @@ class TestTcpConformance(ChannelConformance):
     channel_name = "tcp"
 
 
+class TestTcpBusyPollConformance(ChannelConformance):
+    """The whole suite again with both ends polling awake after each frame: a frame that lands
+    while an end polls is taken as one that wakes it from ``epoll``."""
+
+    channel_name = "tcp"
+    channel_options = {"busy_poll_us": 2000}
+
+
 class TestTcpIpcConformance(ChannelConformance):
     channel_name = "tcp"
 
