@@ -15,7 +15,9 @@ machine's load does not always favour the same arm):
 - ``layer zmq`` / ``layer tcp``: a tiny layer's round trip through rd2h, ``rd2h demo --json
   --prefill-tp 1 --decode-tp 1 --layers 256 --requests 1 --max-tokens 1 --block-size 1 --slots
   1 --channel NAME`` (``layer_latency_p50_ms``: announced on Prefill -> Decode read and replied
-  -> the slot released on Prefill).
+  -> the slot released on Prefill);
+- ``layer tcp busy``: the same over tcp with ``--channel-option busy_poll_us=N`` (``--busy-poll-us``,
+  300 by default): both ends poll awake for N us after each frame instead of sleeping at once.
 
 With ``--baseline DIR`` (an older checkout: ``git worktree add --detach DIR COMMIT``) the two
 tiny-layer arms also run from it (``layer zmq @base``, ``layer tcp @base``), in the same rotation.
@@ -97,20 +99,26 @@ def measure_channel(name: str, messages: int) -> dict[str, float]:
     return pingpong._percentiles(times, messages)
 
 
-def _layer(channel: str, port: int, layers: int, checkout: str | None = None) -> dict[str, float]:
+def _layer(
+    channel: str, port: int, layers: int, checkout: str | None = None, options: tuple[str, ...] = ()
+) -> dict[str, float]:
     args = [*TINY]
     args[args.index("--layers") + 1] = str(layers)
-    result = demo([*args, "--channel", channel], port, checkout)
+    result = demo([*args, "--channel", channel, *(a for o in options for a in ("--channel-option", o))], port, checkout)
     return {"p50_us": result["layer_latency_p50_ms"] * 1e3}
 
 
-def run_rounds(rounds: int, messages: int, layers: int, baseline: str | None = None) -> list[dict[str, dict[str, float]]]:
+def run_rounds(
+    rounds: int, messages: int, layers: int, baseline: str | None = None, busy_poll_us: int = 300
+) -> list[dict[str, dict[str, float]]]:
     arms: list[tuple[str, Any]] = [
         ("zmq ping-pong", lambda port: pingpong.measure(messages)),
         ("socket ping-pong", lambda port: pingpong.measure_socket(messages)),
         *((f"channel {c}", lambda port, c=c: measure_channel(c, messages)) for c in CHANNELS),
         *((f"layer {c}", lambda port, c=c: _layer(c, port, layers)) for c in CHANNELS),
     ]
+    if busy_poll_us:
+        arms.append(("layer tcp busy", lambda port: _layer("tcp", port, layers, options=(f"busy_poll_us={busy_poll_us}",))))
     if baseline:
         arms += [(f"layer {c} @base", lambda port, c=c: _layer(c, port, layers, baseline)) for c in CHANNELS]
     results = []
@@ -160,13 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000, help="round trips per ping-pong arm")
     parser.add_argument("--layers", type=int, default=256, help="layers per tiny-layer demo")
     parser.add_argument("--baseline", help="an older checkout whose tiny-layer demos run as well")
+    parser.add_argument("--busy-poll-us", type=int, default=300, help="the tcp channel's busy_poll_us in the "
+                        "'layer tcp busy' arm (0: no such arm)")
     parser.add_argument("--json")
     parser.add_argument("--serve-channel", nargs=2, metavar=("NAME", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_channel:
         _serve_channel(args.serve_channel[0], int(args.serve_channel[1]))
         return 0
-    rows = run_rounds(args.rounds, args.messages, args.layers, args.baseline)
+    rows = run_rounds(args.rounds, args.messages, args.layers, args.baseline, args.busy_poll_us)
     summary = summarize(rows)
     print(f"medians over {args.rounds} interleaved rounds (ratios: p50 / the same round's ping-pong p50)")
     if "load" in summary:
@@ -179,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:<18}{s['p50_us']:>8.0f}{s['p50_min_us']:>7.0f}-{s['p50_max_us']:<6.0f}"
               f"{s['over_zmq_pingpong']:>8.2f}{s['over_min']:>7.2f}-{s['over_max']:<6.2f}"
               f"{s['over_socket_pingpong']:>9.2f}{s['over_socket_min']:>7.2f}-{s['over_socket_max']:<6.2f}")
-    for label in (f"layer {c}" for c in CHANNELS if c != "zmq"):
+    for label in (lbl for lbl in summary if lbl.startswith("layer ") and lbl != "layer zmq" and "@" not in lbl):
         print(f"  {label} / layer zmq (same round), median: {summary[label]['over_layer_zmq']:.2f}")
     for label in (f"layer {c}" for c in CHANNELS if "over_baseline" in summary[f"layer {c}"]):
         print(f"  {label} / {label} @base (same round), median: {summary[label]['over_baseline']:.2f}")

@@ -19,11 +19,11 @@ def test_every_arm_runs_and_is_held_against_the_zmq_pingpong(tmp_path: Path) -> 
     out = tmp_path / "control_channel.json"
     assert control_channel.main(["--rounds", "1", "--messages", "20", "--layers", "8", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
-    arms = {"zmq ping-pong", "socket ping-pong", "channel zmq", "channel tcp", "layer zmq", "layer tcp"}
+    arms = {"zmq ping-pong", "socket ping-pong", "channel zmq", "channel tcp", "layer zmq", "layer tcp", "layer tcp busy"}
     assert set(summary) == arms | {"load"}
     assert 0 <= summary["load"]["min"] <= summary["load"]["median"] <= summary["load"]["max"]
     summary.pop("load")
     assert summary["zmq ping-pong"]["over_zmq_pingpong"] == 1.0
     assert summary["socket ping-pong"]["over_socket_pingpong"] == 1.0
     assert all(s["p50_us"] > 0 and s["over_socket_pingpong"] > 0 for s in summary.values())
-    assert summary["layer tcp"]["over_layer_zmq"] > 0
+    assert summary["layer tcp"]["over_layer_zmq"] > 0 and summary["layer tcp busy"]["over_layer_zmq"] > 0
