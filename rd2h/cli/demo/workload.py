@@ -149,6 +149,8 @@ class Workload:
 def pattern(layer: int, tensor: int, request: int, positions: np.ndarray, block_bytes: int) -> np.ndarray:
     """The bytes of blocks at ``positions`` of a request: shape ``(len(positions), block_bytes)``."""
     words = block_bytes // 4
-    seeds = (np.uint32(layer * 1_000_003 + tensor * 7_919 + request * 104_729) + positions.astype(np.uint32) * np.uint32(2_654_435_761))
+    # the seed wraps modulo 2**32 as the words do: past ~4,300 layers it no longer fits a uint32
+    seed = np.uint32((layer * 1_000_003 + tensor * 7_919 + request * 104_729) & 0xFFFFFFFF)
+    seeds = seed + positions.astype(np.uint32) * np.uint32(2_654_435_761)
     rows = seeds[:, None] + np.arange(words, dtype=np.uint32)[None, :]
     return rows.view(np.uint8).reshape(len(positions), block_bytes)
