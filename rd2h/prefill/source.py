@@ -14,9 +14,10 @@ The source is a thin loop: every request and endpoint lives in a pure :class:`~r
 the storage slots in a :class:`~rd2h.prefill.gate.SlotGate`. A background sender (owned by the source) waits for each
 layer's event, asks the tracker what to send, sends it, and feeds every reply back; a layer written without an event is
 announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``), and a caller waiting for its
-slots reads the replies itself (:mod:`rd2h.prefill.reply_turn`). A Decode endpoint that does not reply within
-``reply_timeout`` (on the injectable ``clock``) is abandoned: its slots are released and the requests it held fail with
-ReplyTimeout. Failures belong to the requests they hit: the compute path is never handed another request's error.
+slots reads the replies itself (:mod:`rd2h.prefill.reply_turn`). Whichever thread records frames in the tracker
+writes them in the same turn, so they reach the dialer in the tracker's order (:mod:`rd2h.prefill.send_order`). A
+Decode endpoint that does not reply within ``reply_timeout`` (on the injectable ``clock``) is abandoned: its slots are
+released and the requests it held fail with ReplyTimeout. Failures belong to the requests they hit: the compute path is never handed another request's error.
 Endpoints no request uses are closed and forgotten after a bound (``endpoint_idle_seconds``, ``max_endpoints``).
 Warnings about what a Decode sends are limited per Decode and reason, with counts (:mod:`rd2h.quiet_log`).
 
@@ -31,7 +32,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -44,6 +45,7 @@ from rd2h.layout.regions import merge_by_device
 from rd2h.outcome import Outcome
 from rd2h.prefill.gate import SlotGate, slot_keys
 from rd2h.prefill.reply_turn import ReplyTurn
+from rd2h.prefill.send_order import SendOrder
 from rd2h.prefill.send_tracker import Effects, SendTracker, Step
 from rd2h.quiet_log import QuietLog
 from rd2h.wire import protocol
@@ -161,6 +163,11 @@ class Source:
         self._lock = threading.Condition()  # guards the tracker; notified when requests settle
         self._gate: SlotGate | None = SlotGate() if reuse_slots else None
         self._step, _ = self._tracker.schedule({}, clock())
+        self._sends = SendOrder(  # what a tracker call records is written in the same turn, in its order
+            rank=rank, dialer=dialer, tracker=self._tracker, lock=self._lock, clock=clock, quiet=self._quiet,
+            meta_frame=meta_frame, released=self._release_slots,
+        )
+        self._feed = self._sends.feed
         self._queue: queue.SimpleQueue[_Task | object] = queue.SimpleQueue()
         self._inline = inline_announce and dialer.concurrent_send
         self._turn = ReplyTurn(dialer, idle_seconds=poll_seconds)
@@ -402,17 +409,6 @@ class Source:
             except Exception:  # the loop must outlive any one failure, or every wait times out
                 log.exception("Prefill rank %d: sender error", self.rank)
 
-    def _feed(self, call: Callable[..., Effects], *args: Any) -> Effects:
-        """Run one tracker call (``now`` last) under the lock, wake waiters, then carry out
-        its effects outside the lock."""
-        with self._lock:
-            effects = call(*args, self._clock())
-            notices = self._tracker.take_notices()
-            self._lock.notify_all()
-        self._carry_out(effects)
-        self._tell(notices)
-        return effects
-
     def _on_reply(self, address: str, frame: bytes) -> None:
         ignored = self._feed(self._tracker.on_reply, address, frame).ignored
         if ignored:
@@ -429,47 +425,31 @@ class Source:
                     log.warning("Prefill rank %d: layer %r waited %.1f s to be announced", self.rank, layer_name, waited)
                 if task.event is not None:
                     task.event.synchronize()
-            with self._lock:  # raises before it changes anything
-                endpoints, effects = self._tracker.announce(step, layer_idx, layer_name, self._clock())
-        except Exception as exc:  # nothing was announced: fail the step's requests, free the slots
-            log.error("Prefill rank %d: layer %r could not be announced: %s", self.rank, layer_name, exc)
-            with self._lock:
-                self._tracker.layer_unsent(step, layer_name, exc, self._clock())
-                self._lock.notify_all()
-            self._slots_sent(layer_idx, ())
+        except Exception as exc:
+            self._unannounced(layer_idx, layer_name, step, exc)
             return
-        self._slots_sent(layer_idx, endpoints)
-        self._carry_out(effects)
-
-    def _carry_out(self, effects: Effects) -> None:
-        failed: set[str] = set()
-        for address, layer_idx, frame in effects.sends:
-            if address in failed:
-                continue
+        with self._sends.turn:  # recorded and written in one turn: see rd2h.prefill.send_order
             try:
-                self._dialer.send(address, frame)
-            except RD2HError as exc:  # this endpoint missed the layer; the others did not
-                failed.add(address)
-                self._quiet.error("send failed", address, "Prefill rank %d: could not send to %s: %s", self.rank, address, exc)
-                self._feed(self._tracker.send_failed, address, layer_idx, exc)
-        for address in (*effects.disconnects, *effects.forgotten):
-            self._dialer.disconnect(address)
-        if effects.forgotten:
-            log.debug("Prefill rank %d: forgot unused Decode endpoints %s", self.rank, effects.forgotten)
+                with self._lock:  # raises before it changes anything
+                    endpoints, effects = self._tracker.announce(step, layer_idx, layer_name, self._clock())
+            except Exception as exc:
+                self._unannounced(layer_idx, layer_name, step, exc)
+                return
+            self._slots_sent(layer_idx, endpoints)
+            self._sends.carry_out(effects)
+
+    def _unannounced(self, layer_idx: int, layer_name: str, step: Step, exc: Exception) -> None:
+        """Nothing was announced: fail the step's requests, free the slots."""
+        log.error("Prefill rank %d: layer %r could not be announced: %s", self.rank, layer_name, exc)
+        with self._lock:
+            self._tracker.layer_unsent(step, layer_name, exc, self._clock())
+            self._lock.notify_all()
+        self._slots_sent(layer_idx, ())
+
+    def _release_slots(self, effects: Effects) -> None:
         if self._gate is not None:
             for layer_idx, address in effects.released:
                 self._released(self._gate.replied(layer_idx, address), layer_idx)
-
-    def _tell(self, notices: list[tuple[str, bytes]]) -> None:
-        """Send how requests ended; a failure is only logged (Decode fails them at their deadline)."""
-        for address, frame in notices:
-            try:
-                self._dialer.send(address, frame)
-            except RD2HError as exc:
-                self._quiet.warning(
-                    "notice lost", address, "Prefill rank %d: could not tell %s how requests ended: %s",
-                    self.rank, address, exc,
-                )  # fmt: skip
 
     def _expire(self) -> None:
         effects = self._feed(self._tracker.expire)
