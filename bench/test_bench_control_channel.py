@@ -4,8 +4,10 @@ demos verify every byte) and the JSON holds a ratio per arm. No timing is assert
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import busy_poll
 import control_channel
 import pingpong
 
@@ -27,3 +29,12 @@ def test_every_arm_runs_and_is_held_against_the_zmq_pingpong(tmp_path: Path) -> 
     assert summary["socket ping-pong"]["over_socket_pingpong"] == 1.0
     assert all(s["p50_us"] > 0 and s["over_socket_pingpong"] > 0 for s in summary.values())
     assert summary["layer tcp"]["over_layer_zmq"] > 0 and summary["layer tcp busy"]["over_layer_zmq"] > 0
+
+
+def test_busy_poll_cost_script_reports_both_parts(tmp_path: Path) -> None:
+    out = tmp_path / "busy_poll.json"
+    assert busy_poll.main(["--rounds", "1", "--messages", "20", "--layers", "264", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert all(summary[f"ping-pong {arm}"]["p50_us"] > 0 for arm in ("blocking", "spinning"))
+    assert all(summary[f"demo busy_poll_us={bp}"]["layer_p50_us"] > 0 for bp in (0, 300))
+    assert math.isfinite(summary["cpu_on_over_off"])

@@ -206,6 +206,19 @@ def _title(arm: str, args: argparse.Namespace, rows: list[dict[str, Any]], load:
             f"load average {load[0]:.1f} on {os.cpu_count()} cores")
 
 
+def _role_config(text: str) -> tuple[str, dict[str, Any]]:
+    role, sep, raw = text.partition("=")
+    if not sep or role not in ("prefill", "decode", "decode-before"):
+        raise argparse.ArgumentTypeError(f"expected prefill|decode|decode-before=JSON, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{role}: not JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{role}: expected a JSON object, got {raw!r}")
+    return role, value
+
+
 def _ms(a: float, b: float) -> float:
     return round((b - a) * 1e3, 3)
 
@@ -229,10 +242,13 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     # arm -> (proxy, decode); "one" asks the Prefill engine directly
     pd_arms = {"pd": ("proxy", "decode"), **({"before": ("proxy-before", "decode-before")} if before else {})}
     nonce = os.urandom(3).hex()
+    config = dict(args.config)
     try:
-        cluster.ensure(prefill={"_engine_args": engine_args}, decode={"_engine_args": engine_args})
+        cluster.ensure(prefill={"_engine_args": engine_args, **config.get("prefill", {})},
+                       decode={"_engine_args": engine_args, **config.get("decode", {})})
         if before:
-            cluster.add_decode("decode-before", "proxy-before", {"_engine_args": engine_args})
+            cluster.add_decode("decode-before", "proxy-before", {"_engine_args": engine_args,
+                                                                 **config.get("decode-before", {})})
         client = httpx.Client()
         arms = [*pd_arms, "one"]
         url = {arm: cluster.url(pd_arms[arm][0] if arm in pd_arms else "prefill") for arm in arms}
@@ -277,7 +293,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                      "engine": "local", "block_size": 32, "max_num_batched_tokens": args.batched_tokens,
                      "max_model_len": args.max_model_len, "model": str(args.model or
                      f"tiny Qwen3, {args.layers} layers, hidden {args.hidden}"), "arms": arms,
-                     "prefill_at_once": sorted(args.at_once)},
+                     "prefill_at_once": sorted(args.at_once), "rd2h_config": dict(args.config)},
         "idle_cpu_percent": {"before": idle, "after": idle_after},
         "stages": [list(stage) for stage in pd_hops.HOPS],
         "single_stages": [list(stage) for stage in pd_hops.SINGLE_HOPS],
@@ -339,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--at-once", nargs="*", choices=["pd", "before"], default=[],
                         help="these P/D arms' proxies send Prefill its request at once, with Decode "
                         "(rd2h proxy --prefill-at-once); e.g. --before HEAD --at-once pd: sequential against at once")
+    parser.add_argument("--config", type=_role_config, action="append", default=[], metavar="ROLE=JSON",
+                        help="rd2h settings for one engine (prefill, decode, decode-before) over the defaults, e.g. "
+                        'decode=\'{"channel": "tcp", "channel_options": {"busy_poll_us": 300}}\' (repeatable)')
     parser.add_argument("--workdir", help="keep the model, logs and traces here (default: a temporary directory)")
     parser.add_argument("--json", default="vllm_pd.json", help="where to write the results")
     parser.add_argument("--plot", help="where to draw the breakdown (default: the JSON's path with .png)")
