@@ -76,7 +76,9 @@ class SendOrder:
                 self._dialer.send(address, frame)
             except RD2HError as exc:  # this endpoint missed these layers; the others did not
                 failed.add(address)
-                self._quiet.error("send failed", address, "Prefill rank %d: could not send to %s: %s", self._rank, address, exc)
+                self._quiet.error(
+                    "send failed", address, "Prefill rank %d: could not send to %s: %s", self._rank, address, exc
+                )
                 unsent = [layer for a, layer, f in effects.sends[at:] if a == address and f is not self._meta]
                 self._run(self._unsent, address, unsent, exc)
         for address in (*effects.disconnects, *effects.forgotten):

@@ -28,9 +28,10 @@ Ids = npt.NDArray[np.int64]
 
 @dataclass(slots=True)
 class Effects:
-    """What the caller must do: send ``sends`` in order (``(address, layer_idx, frame)``: an
-    mf_meta is listed with the layer of the readiness it precedes; if a send raises, report
-    ``send_failed`` for that address and layer and skip its remaining frames), drop
+    """What the caller must do: send ``sends`` in order, before the tracker records anything
+    else (``(address, layer_idx, frame)``: an mf_meta is listed with the layer of the readiness
+    it precedes; if a send raises, skip that address's remaining frames and report ``send_failed``
+    for each readiness to it not written, last first), drop
     ``disconnects`` (a silent Decode) and ``forgotten`` (an unused one), and release the slot
     gate for each ``(layer_idx, address)`` in ``released`` (readiness answered, or no longer
     awaited). ``ignored``: the counter that absorbed a reply frame (malformed, stray, stale,

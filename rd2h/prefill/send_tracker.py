@@ -368,7 +368,7 @@ class SendTracker:
         return effects
 
     def send_failed(self, address: str, layer_idx: int, error: BaseException, now: float) -> Effects:
-        """Sending to ``address`` for ``layer_idx`` raised: that endpoint missed the layer."""
+        """Sending to ``address`` for ``layer_idx`` raised: that endpoint missed its last readiness of the layer."""
         effects = Effects()
         endpoint = self._endpoints.get(address)
         waiting = None if endpoint is None else endpoint.in_flight.get(layer_idx)

@@ -17,9 +17,10 @@ announced on the caller's thread when the dialer allows it (``Dialer.concurrent_
 slots reads the replies itself (:mod:`rd2h.prefill.reply_turn`). Whichever thread records frames in the tracker
 writes them in the same turn, so they reach the dialer in the tracker's order (:mod:`rd2h.prefill.send_order`). A
 Decode endpoint that does not reply within ``reply_timeout`` (on the injectable ``clock``) is abandoned: its slots are
-released and the requests it held fail with ReplyTimeout. Failures belong to the requests they hit: the compute path is never handed another request's error.
-Endpoints no request uses are closed and forgotten after a bound (``endpoint_idle_seconds``, ``max_endpoints``).
-Warnings about what a Decode sends are limited per Decode and reason, with counts (:mod:`rd2h.quiet_log`).
+released and the requests it held fail with ReplyTimeout. Failures belong to the requests they hit: the compute path
+is never handed another request's error. Endpoints no request uses are closed and forgotten after a bound
+(``endpoint_idle_seconds``, ``max_endpoints``). Warnings about what a Decode sends are limited per Decode and reason,
+with counts (:mod:`rd2h.quiet_log`).
 
 Blocking calls bound how long the caller's thread blocks in real time; protocol timeouts and
 outcome times use ``clock``.
