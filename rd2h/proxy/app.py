@@ -60,6 +60,7 @@ from rd2h.proxy.failures import (
     refused,
     settle,
 )  # fmt: skip
+from rd2h.proxy.first_flow import first_token_answer
 from rd2h.proxy.instances import Instance, Pool, gone_for_good
 from rd2h.proxy.metrics import ProxyMetrics
 from rd2h.proxy.readiness import note_readiness
@@ -93,6 +94,7 @@ class ProxyConfig:
     # where Prefill fetches its targets (the internal listener's /v1/rd2h/targets as engines reach it): Prefill
     # gets the request at once, with Decode; None: only once every rendezvous is in (rd2h.proxy.early)
     targets_url: str | None = None
+    first_token: str | None = None  # the targets URL where the client's first token is Prefill's (first_flow)
 
     @property
     def warms_up(self) -> bool:
@@ -151,9 +153,8 @@ class Proxy:
             self._checks = asyncio.create_task(self._check_forever())
 
     async def stop(self) -> None:
-        for task in (self._checks, self._warming):
-            if task is not None:
-                await cancel(task)
+        for task in filter(None, (self._checks, self._warming)):
+            await cancel(task)
         if self.client is not None:
             await self.client.aclose()
             self.client = None
@@ -290,6 +291,8 @@ class Proxy:
             self.metrics.errors.labels("draining" if exc.status == 503 else "refused").inc()
             kind = "invalid_request_error" if exc.status < 500 else "rd2h_proxy_unavailable"
             return JSONResponse(error_body(str(exc), kind, exc.status), exc.status, headers=answer_headers)
+        if self.config.first_token and (first := await first_token_answer(self, path, body, headers, arrived)):
+            return first  # a Response; None: the normal flow (counted by reason)
         pending, prefill, decode = self.begin(path, body, (prompts, samples), headers, arrived=arrived)
         stream = bool(body.get("stream"))
         try:
@@ -343,8 +346,7 @@ class Proxy:
         )
         return pending, prefill, decode
 
-    def ready(self) -> bool:
-        """Serving: not draining, and a Prefill and a Decode in rotation (up and warm)."""
+    def ready(self) -> bool:  # serving: not draining, and a Prefill and a Decode in rotation (up and warm)
         return not self.draining and self.prefill_pool.any_in_rotation() and self.decode_pool.any_in_rotation()
 
     async def first_answer(self, decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[None]) -> httpx.Response:

@@ -68,6 +68,17 @@ class ProxyMetrics:
                                "(ok, failed)", ["result"], registry=self.registry)
         self.warmup_seconds = Histogram("rd2h_proxy_warmup_seconds", "A successful warm-up request, whole",
                                         buckets=_SECONDS, registry=self.registry)
+        self.first_token = Counter("rd2h_proxy_first_token_requests", "Requests whose first token came from "
+                                   "Prefill (--first-token-from-prefill), by outcome: continued (Decode generated "
+                                   "the rest), ended_at_first (the first token ended it), failed",
+                                   ["outcome"], registry=self.registry)
+        self.first_token_fallbacks = Counter("rd2h_proxy_first_token_fallbacks", "Requests that took the normal flow "
+                                             "under --first-token-from-prefill, by reason (chat, prompt_list, n, "
+                                             "sampling, seed, logprobs, echo, stop, penalties, min_tokens, "
+                                             "max_tokens, other_field)", ["reason"], registry=self.registry)
+        self.first_token_seconds = Histogram("rd2h_proxy_first_token_seconds", "From the client's request to its "
+                                             "first token sent, Prefill's (--first-token-from-prefill)",
+                                             buckets=_SECONDS, registry=self.registry)
         self.ready = Gauge("rd2h_proxy_ready", "1 while /health answers 200: a warm Prefill and Decode in "
                            "rotation, not draining", registry=self.registry)
         self.registry.register(_Instances(pools))

@@ -323,22 +323,27 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._truncation is None:
             return
         try:
-            if self._signed_prefill(request):
+            signed = self._signed_prefill(request)
+            if signed == "first_token":  # its sampled token goes to the client: a cut prompt would change it
+                self._truncation.refuse(request.request_id, "its first token is the client's (rd2h proxy "
+                                        "--first-token-from-prefill), so its prompt is computed whole")  # fmt: skip
+            elif signed:
                 self._truncation.truncate(request)
         except Exception:  # noqa: BLE001
             log.exception("rd2h: request %s: cutting its prompt failed", getattr(request, "request_id", "?"))
 
-    def _signed_prefill(self, request: Any) -> bool:
+    def _signed_prefill(self, request: Any) -> bool | str:
         """``request`` carries Prefill params the scheduler accepts (signed by the proxy, for
-        this leg and this request, in date), with their targets or targets to come."""
+        this leg and this request, in date), with their targets or targets to come: True, or
+        ``"first_token"`` where its sampled token is the client's first token."""
         params = getattr(request, "kv_transfer_params", None) or {}
         if not (isinstance(params, dict) and params.get("do_remote_decode") and PARAMS_KEY in params):
             return False
         try:
-            accept_prefill_leg(self._secret, params[PARAMS_KEY], request.request_id, self.scheduler._clock())
+            _, later = accept_prefill_leg(self._secret, params[PARAMS_KEY], request.request_id, self.scheduler._clock())
         except ValueError:
             return False
-        return True
+        return "first_token" if later is not None and later.first else True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:

@@ -11,6 +11,9 @@ ever share one. The samples of a prompt share its blocks in Decode's prefix cach
 The proxy signs both legs (:mod:`rd2h.vllm.vouch`)::
 
     Decode:  {"leg": "decode", "id": "<hex>", "prompts": P, "samples": S, "exp": ..., "sig": ...}
+             (+ "tail": 1 when the prompt's last token is Prefill's first sampled token: Decode
+             loads every token but that one, which Prefill never computed; rd2h proxy
+             --first-token-from-prefill)
     Prefill: {"leg": "prefill", "id": "<hex>", "prompts": P, "samples": 1,
               "targets": {"<prompt>": [{"endpoint": "host:port/tp", "first_block": k}]},
               "exp": ..., "sig": ...}
@@ -45,7 +48,7 @@ from rd2h.wire.endpoint import DecodeEndpoint
 __all__ = [
     "PARAMS_KEY", "MAX_CHILDREN", "Target", "ext_id", "prompt_index", "sample_index",
     "decode_fields", "prefill_fields", "accept_decode", "accept_prefill",
-    "Later", "later_fields", "accept_later", "accept_prefill_leg", "targets_ask", "accept_targets_ask", "accept_late", "MAX_WAIT",
+    "accept_decode_leg", "decode_tail", "Later", "later_fields", "accept_later", "accept_prefill_leg", "targets_ask", "accept_targets_ask", "accept_late", "MAX_WAIT",
 ]  # fmt: skip
 
 PARAMS_KEY = "rd2h"
@@ -72,6 +75,7 @@ class Later:
     prompt: int
     url: str
     wait: float
+    first: bool = False  # its sampled token is the client's first token: the prompt is computed whole
 
 
 def ext_id(rid: str, prompt: int, sample: int) -> str:
@@ -127,8 +131,10 @@ def _checked(secret: bytes, raw: object, now: float, leg: str) -> tuple[dict[str
 # -- the proxy ---------------------------------------------------------------------------------
 
 
-def decode_fields(secret: bytes, rid: str, prompts: int, samples: int, now: float) -> dict[str, Any]:
-    return sign(secret, {"leg": "decode", "id": rid, "prompts": prompts, "samples": samples}, now)
+def decode_fields(secret: bytes, rid: str, prompts: int, samples: int, now: float, tail: int = 0) -> dict[str, Any]:
+    """``tail``: the prompt's last tokens Prefill did not compute (1: its first sampled token)."""
+    fields = {"leg": "decode", "id": rid, "prompts": prompts, "samples": samples}
+    return sign(secret, {**fields, "tail": tail} if tail else fields, now)
 
 
 def prefill_fields(
@@ -150,9 +156,26 @@ def prefill_fields(
 
 def accept_decode(secret: bytes, raw: object, req_id: str, now: float) -> tuple[str, int, int]:
     """Decode: ``(ext id, prompt, sample)`` of engine request ``req_id``; ValueError otherwise."""
-    _, rid, prompts, samples = _checked(secret, raw, now, "decode")
+    return accept_decode_leg(secret, raw, req_id, now)[:3]
+
+
+def accept_decode_leg(secret: bytes, raw: object, req_id: str, now: float) -> tuple[str, int, int, int]:
+    """Decode: ``(ext id, prompt, sample, tail)``; ``tail`` (0 or 1, one prompt of one sample
+    only): the prompt's last tokens Prefill did not compute, which Decode computes itself."""
+    fields, rid, prompts, samples = _checked(secret, raw, now, "decode")
     prompt, sample = prompt_index(req_id, prompts), sample_index(req_id, samples)
-    return ext_id(rid, prompt, sample), prompt, sample
+    tail = decode_tail(fields)
+    if tail and prompts * samples != 1:
+        raise ValueError(f"'tail' is for one prompt of one sample, not {prompts} x {samples}")
+    return ext_id(rid, prompt, sample), prompt, sample, tail
+
+
+def decode_tail(fields: Mapping[str, Any]) -> int:
+    """The ``tail`` of Decode fields already accepted (:func:`accept_decode_leg`): 0 or 1."""
+    tail = fields.get("tail", 0)
+    if tail not in (0, 1) or isinstance(tail, bool):
+        raise ValueError(f"'tail' must be 0 or 1, got {tail!r}")
+    return int(tail)
 
 
 def accept_prefill(secret: bytes, raw: object, req_id: str, now: float) -> list[Target]:
@@ -183,10 +206,12 @@ def accept_prefill(secret: bytes, raw: object, req_id: str, now: float) -> list[
 # -- targets learnt after Prefill started --------------------------------------------------------
 
 
-def later_fields(secret: bytes, rid: str, prompts: int, url: str, wait: float, now: float) -> dict[str, Any]:
-    """The proxy: Prefill's fields that name no targets yet, but where to fetch them (signed)."""
+def later_fields(secret: bytes, rid: str, prompts: int, url: str, wait: float, now: float,
+                 first: bool = False) -> dict[str, Any]:
+    """The proxy: Prefill's fields that name no targets yet, but where to fetch them (signed).
+    ``first``: Prefill's sampled token is the client's first token (its prompt is computed whole)."""
     fields = {"leg": "prefill", "id": rid, "prompts": prompts, "samples": 1, "targets_from": url, "wait": float(wait)}
-    return sign(secret, fields, now)
+    return sign(secret, {**fields, "first_token": True} if first else fields, now)
 
 
 def accept_later(secret: bytes, raw: object, req_id: str, now: float) -> Later | None:
@@ -200,7 +225,7 @@ def accept_later(secret: bytes, raw: object, req_id: str, now: float) -> Later |
         raise ValueError(f"'targets_from' must be an http(s) URL, got {url!r}")
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= MAX_WAIT:
         raise ValueError(f"'wait' must be seconds in (0, {MAX_WAIT:g}], got {wait!r}")
-    return Later(rid, prompt_index(req_id, prompts), url, float(wait))
+    return Later(rid, prompt_index(req_id, prompts), url, float(wait), fields.get("first_token") is True)
 
 
 def accept_prefill_leg(secret: bytes, raw: object, req_id: str, now: float) -> tuple[list[Target], Later | None]:

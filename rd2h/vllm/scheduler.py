@@ -30,8 +30,9 @@ of posting a rendezvous). A hand-off that cannot happen is logged and counted: r
 unanswered (``handoff_failed``: the pull is stopped and vLLM's ``kv_load_failure_policy``
 decides, ``recompute`` computes it here).
 
-Several KV cache groups (``dense``, the hybrid allocator): Decode loads all prompt tokens but the
-last (:mod:`rd2h.vllm.kv_groups`); Prefill sends every group's blocks at once, with its last tokens.
+Several KV cache groups (``dense``, the hybrid allocator): Decode loads all prompt tokens but the last
+(:mod:`rd2h.vllm.kv_groups`); Prefill sends every group's blocks at once. Decode fields with ``tail``: the
+prompt ends in Prefill's first sampled token, never computed there: loaded all but it (one group only).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from rd2h.vllm.metadata import (
     WorkerReport,
 )
 from rd2h.vllm.nothing import NothingToPull
-from rd2h.vllm.params import PARAMS_KEY, accept_decode
+from rd2h.vllm.params import PARAMS_KEY, accept_decode_leg, decode_tail
 from rd2h.vllm.rendezvous import RendezvousPoster
 from rd2h.vllm.vouch import sign
 from rd2h.wire.endpoint import DecodeEndpoint
@@ -174,7 +175,9 @@ class RD2HScheduler(LateSends, NothingToPull):
             self._refuse(request.request_id, "rd2h proxy fields, but no 'metaserver' is configured to post to")
             return 0, False
         try:
-            ext_id, prompt, sample = accept_decode(self._secret, params.get(PARAMS_KEY), request.request_id, self._clock())
+            ext_id, prompt, sample, tail = accept_decode_leg(self._secret, raw, request.request_id, self._clock())
+            if tail and self._whole:  # Prefill computes the whole prompt, sends all but the last: untested here
+                raise ValueError("a prompt ending in Prefill's first token, with several KV cache groups or a state")
         except ValueError as exc:
             self._refuse(request.request_id, str(exc))
             return 0, False
@@ -194,7 +197,7 @@ class RD2HScheduler(LateSends, NothingToPull):
             return 0, False
         if not self._claim(request.request_id, ext_id):
             return 0, False
-        loadable = self._loaded(len(request.prompt_token_ids or ()))
+        loadable = self._loaded(len(request.prompt_token_ids or ()) - tail)  # tail: Prefill's first token
         if loadable - num_computed_tokens <= 0 or self._told_nothing(ext_id):  # the proxy told at once (nothing.py)
             self._nothing_to_pull(request, ext_id, loadable)
             return 0, False
@@ -257,12 +260,10 @@ class RD2HScheduler(LateSends, NothingToPull):
         ext_id = self._claimed.get(request.request_id)  # claimed when it reported external tokens
         if ext_id is None:
             return
-        num_tokens = len(request.prompt_token_ids)
+        num_tokens = len(request.prompt_token_ids) - decode_tail(params[PARAMS_KEY])  # the tokens Prefill computed
         local = self._loaded(num_tokens) - num_external_tokens  # a block-aligned local prefix-cache hit
         first_block = local // self.block_sizes[0]
-        groups = tuple(
-            g[: _blocks_for(num_tokens, size)] for g, size in zip(_groups(blocks), self.block_sizes)
-        )
+        groups = tuple(g[: _blocks_for(num_tokens, size)] for g, size in zip(_groups(blocks), self.block_sizes))
         self._recv_new.append(RecvSpec(ext_id, request.request_id, groups, first_block, num_tokens))
         body = {
             "ext_id": ext_id, "endpoint": str(self.endpoint), "first_block": first_block, "num_tokens": num_tokens,

@@ -45,9 +45,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "gets the request once every rendezvous is in)",
     )
     parser.add_argument(
+        "--first-token-from-prefill", action="store_true",
+        help="experimental: the client's first token is the one Prefill samples (Prefill gets the request at "
+        "once, as with --prefill-at-once), Decode continues from the prompt and that token; greedy "
+        "/v1/completions of one prompt only, anything else takes the normal flow (counted by reason in "
+        "rd2h_proxy_first_token_fallbacks_total)",
+    )
+    parser.add_argument(
         "--internal-url", default=None, metavar="URL",
-        help="with --prefill-at-once: the internal listener's base URL as the engines reach it (default: "
-        "http://RENDEZVOUS_HOST:RENDEZVOUS_PORT, a wildcard host replaced by this host's name)",
+        help="with --prefill-at-once or --first-token-from-prefill: the internal listener's base URL as the "
+        "engines reach it (default: http://RENDEZVOUS_HOST:RENDEZVOUS_PORT, a wildcard host replaced by this "
+        "host's name)",
     )
     parser.add_argument(
         "--prefill", action="append", required=True, metavar="URL",
@@ -120,13 +128,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def targets_url(args: argparse.Namespace, rendezvous_port: int, path: str) -> str | None:
-    """Where Prefill fetches its targets with ``--prefill-at-once`` (the internal listener as the
-    engines reach it: ``--internal-url``, or the rendezvous host, a wildcard replaced by this
-    host's name); None without it. ConfigError: ``--internal-url`` alone, which would do nothing."""
-    if not args.prefill_at_once:
-        if args.internal_url is not None:
-            raise ConfigError("--internal-url is used only with --prefill-at-once")
+def targets_url(args: argparse.Namespace, rendezvous_port: int, path: str, *, flag: str = "prefill_at_once",
+                ) -> str | None:
+    """Where Prefill fetches its targets with ``--prefill-at-once`` (or the option ``flag`` names:
+    the internal listener as the engines reach it: ``--internal-url``, or the rendezvous host, a
+    wildcard replaced by this host's name); None without it. ConfigError: ``--internal-url``
+    without either option, which would do nothing."""
+    if not getattr(args, flag, False):
+        if args.internal_url is not None and not (args.prefill_at_once or getattr(args, "first_token_from_prefill",
+                                                                                  False)):  # fmt: skip
+            raise ConfigError("--internal-url is used only with --prefill-at-once or --first-token-from-prefill")
         return None
     host = args.rendezvous_host
     if host in ("0.0.0.0", "::", ""):
@@ -160,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, health_interval=args.health_interval, body_timeout=args.header_timeout,
         warmup=args.warmup, warmup_timeout=args.warmup_timeout,
         targets_url=targets_url(args, rendezvous_port, TARGETS_PATH),
+        first_token=targets_url(args, rendezvous_port, TARGETS_PATH, flag="first_token_from_prefill"),
     )
     listen = Listen(
         host=args.host, port=args.port, rendezvous_host=args.rendezvous_host, rendezvous_port=rendezvous_port,

@@ -1,0 +1,261 @@
+"""The flow of ``rd2h proxy --first-token-from-prefill`` (what is decided and assembled is
+:mod:`rd2h.proxy.first_token`).
+
+1. Prefill gets its leg at once, its signed fields naming where to ask for its targets
+   (:func:`rd2h.vllm.params.later_fields` with ``first``: a Mamba Prefill computes the prompt
+   whole and sends nothing) and ``return_token_ids``: its answer names the prompt's token ids
+   and the token it sampled.
+2. On that answer the client gets the first token (a streamed event, or kept for the final
+   body). If it ends the request, that is the whole answer, and Prefill's ask for targets gets
+   410 (it frees the blocks it held; counted there as ``targets_failed``).
+3. Otherwise Decode gets its leg: the prompt's token ids and the first token, ``max_tokens``
+   one less, its signed fields with ``tail`` 1. Its rendezvous gives Prefill its targets as in
+   Prefill at once (:mod:`rd2h.proxy.early`); what Decode generates follows the first token.
+
+Failures are the at-once flow's: Prefill failing its leg fails the request (502: no token was
+sent yet); once Decode's leg is out, Prefill found gone before Decode's first byte, or no
+rendezvous within ``rendezvous_timeout``, fails it (a streamed request gets an error event
+after its first token), except under Decode's ``recompute`` policy, where a Decode computes
+its leg (the prompt and the first token) as a plain request: the same tokens, later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rd2h.proxy.bodies import error_body, prefill_body
+from rd2h.proxy.early import prefill_owes
+from rd2h.proxy.failures import EngineError, NoInstance, PrefillFailed, RendezvousTimeout, cancel, settle
+from rd2h.proxy.first_token import (
+    First,
+    StreamRewriter,
+    decode_leg,
+    ends_at_first,
+    first_chunks,
+    first_of,
+    merged_body,
+    prefill_only_body,
+    why_not,
+)  # fmt: skip
+from rd2h.vllm.params import MAX_WAIT, decode_fields, later_fields
+
+if TYPE_CHECKING:
+    from rd2h.proxy.app import Proxy, _Pending
+
+__all__ = ["first_token_answer"]
+
+log = logging.getLogger("rd2h.proxy")
+
+
+async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], headers: dict[str, str],
+                             arrived: float) -> Response | None:
+    """The client's answer with its first token from Prefill, or None where the request must
+    take the normal flow (the reason logged at debug and counted)."""
+    reason = why_not(path, body)
+    if reason is not None:
+        proxy.metrics.first_token_fallbacks.labels(reason).inc()
+        log.debug("first token from Prefill: not for this request (%s): the normal flow", reason)
+        return None
+    pending = _begin(proxy, path, headers, arrived)
+    timeout = proxy.config.rendezvous_timeout
+    late = RendezvousTimeout(f"Decode did not post a rendezvous within {timeout:g} s")
+    timer = asyncio.get_running_loop().call_later(timeout, settle, pending.all_in, late)
+    answer_headers = {"x-request-id": headers["x-request-id"]}
+    try:
+        first, failed = await _prefill(proxy, pending, path, body)
+    except BaseException:
+        timer.cancel()
+        proxy.finish(pending, 499, "the client went away", kind="cancelled")
+        raise
+    if failed is not None:
+        timer.cancel()
+        return failed
+    assert first is not None
+    stream = bool(body.get("stream"))
+    if ends_at_first(first, body):
+        timer.cancel()
+        pending.record["first_token"] = "ended_at_first"
+        proxy.metrics.first_token.labels("ended_at_first").inc()
+        _first_out(proxy, pending)
+        proxy.finish(pending, 200)  # Prefill's ask for targets gets 410: it frees what it held
+        if stream:
+            chunk = first_chunks(first, body, last=True)
+            return StreamingResponse(_once(chunk), media_type="text/event-stream", headers=answer_headers)
+        return JSONResponse(prefill_only_body(first, body), headers=answer_headers)
+    leg = decode_leg(body, first)
+    decode_body = {**leg, "kv_transfer_params": {"do_remote_prefill": True, "rd2h": decode_fields(
+        proxy.config.secret, pending.rid, 1, 1, time.time(), tail=1)}}  # fmt: skip
+    owes = asyncio.create_task(_owes(pending))
+    decode = asyncio.create_task(proxy._send(proxy.decode_pool, path, decode_body, stream=stream, pending=pending))
+    pending.record["first_token"] = "continued"
+    if stream:
+        return StreamingResponse(_stream(proxy, pending, (path, leg), first, body, (decode, owes), timer),
+                                 media_type="text/event-stream", headers=answer_headers)  # fmt: skip
+    try:
+        return await _whole(proxy, pending, (path, leg), first, body, (decode, owes), answer_headers)
+    finally:
+        timer.cancel()
+
+
+def _begin(proxy: Proxy, path: str, headers: dict[str, str], arrived: float) -> _Pending:
+    from rd2h.proxy.app import _Pending
+
+    rid = secrets.token_hex(16)
+    loop = asyncio.get_running_loop()
+    record: dict[str, Any] = {"id": rid, "path": path, "x_request_id": headers["x-request-id"], "t_origin": arrived}
+    pending = _Pending(rid, 1, [loop.create_future()], loop.create_future(), headers, record=record)
+    pending.started = arrived
+    pending.mark("begun")
+    proxy.pending[rid] = pending
+    proxy.recent.append(record)
+    return pending
+
+
+async def _prefill(proxy: Proxy, pending: _Pending, path: str, body: dict[str, Any],
+                   ) -> tuple[First | None, Response | None]:
+    """Prefill's leg, at once: ``(its first token, None)``, or ``(None, the client's error answer)``."""
+    leg = prefill_body(body)
+    leg["return_token_ids"] = True  # its answer names the prompt's token ids and the one it sampled
+    fields = later_fields(proxy.config.secret, pending.rid, 1, str(proxy.config.first_token),
+                          min(proxy.config.rendezvous_timeout, MAX_WAIT), time.time(), first=True)  # fmt: skip
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "rd2h": fields}
+    sent = time.monotonic()
+    headers = {"x-request-id": pending.headers["x-request-id"]}
+    try:
+        response = await proxy._send(proxy.prefill_pool, path, leg, stream=False, pending=pending)
+        pending.prefill_answered = time.monotonic()
+        proxy.metrics.prefill.observe(pending.prefill_answered - sent)
+        pending.record["prefill_ms"] = round((pending.prefill_answered - sent) * 1e3, 1)
+        if response.status_code >= 400:  # Prefill refused it (a client's error, e.g. too long): as it said
+            proxy.finish(pending, response.status_code, f"Prefill answered {response.status_code}",
+                         kind="prefill_failed")
+            proxy.metrics.first_token.labels("failed").inc()
+            return None, Response(response.content, response.status_code, headers=headers,
+                                  media_type=response.headers.get("content-type"))  # fmt: skip
+        return first_of(response.json()), None
+    except (EngineError, ValueError) as exc:
+        status = 503 if isinstance(exc, NoInstance) else 502
+        kind = exc.kind if isinstance(exc, EngineError) else "prefill_failed"
+        proxy.finish(pending, status, f"Prefill: {exc}", kind=kind)
+        proxy.metrics.first_token.labels("failed").inc()
+        return None, JSONResponse(error_body(f"Prefill: {exc}", "rd2h_proxy_error", status), status, headers=headers)
+
+
+def _first_out(proxy: Proxy, pending: _Pending) -> None:
+    pending.mark("first_token_out")
+    if not pending.warmup:
+        proxy.metrics.first_token_seconds.observe(time.monotonic() - pending.started)
+
+
+async def _owes(pending: _Pending) -> None:
+    """Prefill's part once Decode's leg is out: every rendezvous in time, then Prefill alive until
+    Decode's first byte (:func:`rd2h.proxy.early.prefill_owes`)."""
+    await pending.all_in
+    if not pending.nothing:  # Decode loads nothing (e.g. its prefix cache holds it): nothing is owed
+        await prefill_owes(pending)
+
+
+async def _decode_answer(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]],
+                         legs: tuple[asyncio.Task[httpx.Response], asyncio.Task[None]]) -> httpx.Response:
+    """Decode's response, or under its ``recompute`` policy a Decode computing its leg when
+    Prefill failed; EngineError otherwise."""
+    try:
+        return await proxy.first_answer(*legs)
+    except PrefillFailed as exc:
+        if not pending.recompute:
+            raise
+        return await proxy.recompute(pending, *request, exc)
+
+
+async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]], first: First,
+                 body: dict[str, Any], legs: tuple[asyncio.Task[httpx.Response], asyncio.Task[None]],
+                 headers: dict[str, str]) -> Response:
+    """A non-streamed request: the first token and Decode's answer in one body."""
+    decode, owes = legs
+    try:
+        try:
+            response = await _decode_answer(proxy, pending, request, legs)
+        except EngineError as exc:
+            status = 503 if isinstance(exc, NoInstance) else 502
+            proxy.metrics.first_token.labels("failed").inc()
+            proxy.finish(pending, status, str(exc), kind=exc.kind)
+            return JSONResponse(error_body(str(exc), "rd2h_proxy_error", status), status, headers=headers)
+        data = await response.aread()
+        await response.aclose()
+        pending.mark("first_byte")  # Decode had the KV whole: Prefill owes nothing more
+        await proxy._settle(owes, pending)
+        if response.status_code >= 400:
+            proxy.metrics.first_token.labels("failed").inc()
+            proxy.finish(pending, response.status_code, f"Decode answered {response.status_code}")
+            return Response(data, response.status_code, headers=headers, media_type="application/json")
+        try:
+            answer = merged_body(first, json.loads(data), body)
+        except ValueError as exc:
+            proxy.metrics.first_token.labels("failed").inc()
+            proxy.finish(pending, 502, f"Decode: {exc}", kind="decode_failed")
+            return JSONResponse(error_body(f"Decode: {exc}", "rd2h_proxy_error", 502), 502, headers=headers)
+        _first_out(proxy, pending)  # one body: the first token reaches the client with the rest
+        proxy.metrics.first_token.labels("continued").inc()
+        proxy.finish(pending, 200)
+        return JSONResponse(answer, headers=headers)
+    finally:
+        for task in legs:
+            if not task.done():
+                await cancel(task)
+
+
+async def _once(chunk: bytes) -> AsyncIterator[bytes]:
+    yield chunk
+
+
+async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]], first: First,
+                  body: dict[str, Any], legs: tuple[asyncio.Task[httpx.Response], asyncio.Task[None]],
+                  timer: asyncio.TimerHandle) -> AsyncIterator[bytes]:
+    """A streamed request: the first token at once, then Decode's stream rewritten as the rest."""
+    decode, owes = legs
+    relayed = False  # once Decode's stream is relayed, _relay ends the request
+    try:
+        yield first_chunks(first, body, last=False)
+        _first_out(proxy, pending)
+        try:
+            response = await _decode_answer(proxy, pending, request, legs)
+        except EngineError as exc:
+            proxy.metrics.first_token.labels("failed").inc()
+            proxy.finish(pending, 502, str(exc), kind=exc.kind)
+            yield f"data: {json.dumps(error_body(str(exc), 'rd2h_proxy_error', 502))}\n\n".encode()
+            return
+        if response.status_code >= 400:
+            data = await response.aread()
+            await response.aclose()
+            proxy.metrics.first_token.labels("failed").inc()
+            proxy.finish(pending, response.status_code, f"Decode answered {response.status_code}")
+            message = f"Decode answered {response.status_code}: {data[:300].decode(errors='replace')}"
+            yield f"data: {json.dumps(error_body(message, 'rd2h_proxy_error', 502))}\n\n".encode()
+            return
+        relayed = True
+        proxy.metrics.first_token.labels("continued").inc()
+        rewriter = StreamRewriter(first)
+        async for raw in proxy._relay(response, owes, pending, request):
+            out = rewriter.feed(raw)
+            if out:
+                yield out
+        rest = rewriter.flush()
+        if rest:
+            yield rest
+    finally:
+        timer.cancel()
+        if not relayed:
+            for task in legs:
+                if not task.done():
+                    await cancel(task)
+            if pending.rid in proxy.pending:  # the client went away before Decode answered
+                proxy.finish(pending, 499, "the client went away", kind="cancelled")

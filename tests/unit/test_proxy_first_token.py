@@ -1,0 +1,351 @@
+"""``rd2h proxy --first-token-from-prefill``: which requests take the mode (and the reasons the
+others are counted under), the answers assembled from Prefill's first token and Decode's rest,
+streamed and not, and the flow through the proxy's real apps with engines that behave as vLLM
+with RD2HConnector does (rd2h.proxy.first_token, rd2h.proxy.first_flow). No sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+from test_proxy import OPERATOR, SECRET, Split
+
+from rd2h.proxy import ProxyConfig, create_apps
+from rd2h.proxy.first_token import (
+    REASONS,
+    StreamRewriter,
+    decode_leg,
+    ends_at_first,
+    first_chunks,
+    first_of,
+    merged_body,
+    prefill_only_body,
+    why_not,
+)  # fmt: skip
+from rd2h.vllm.params import accept_decode_leg, accept_later, targets_ask
+from rd2h.vllm.vouch import sign, verify
+
+URL = "http://proxy/internal/v1/rd2h/targets"
+GREEDY = {"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+PROMPT_IDS, FIRST_ID, REST_IDS = [1, 2, 3], 7, [8, 9, 10]
+
+
+def prefill_answer(finish: str = "length") -> dict[str, Any]:
+    return {"id": "cmpl-p", "object": "text_completion", "created": 11, "model": "m", "kv_transfer_params": None,
+            "choices": [{"index": 0, "text": "A", "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                         "prompt_token_ids": PROMPT_IDS, "token_ids": [FIRST_ID]}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}  # fmt: skip
+
+
+# -- which requests take the mode ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "change", "reason"), [
+    ("/v1/completions", {}, None),
+    ("/v1/completions", {"prompt": [5, 6, 7], "return_token_ids": True, "stream": True}, None),
+    ("/v1/completions", {"max_tokens": None, "ignore_eos": True, "stop_token_ids": [2], "top_k": 1}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "chat"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt_list"),
+    ("/v1/completions", {"prompt": [[1, 2]]}, "prompt_list"),
+    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"best_of": 2}, "n"),
+    ("/v1/completions", {"temperature": 0.7}, "sampling"),
+    ("/v1/completions", {"temperature": None}, "sampling"),  # the model's default may sample
+    ("/v1/completions", {"seed": 3}, "seed"),
+    ("/v1/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"stop": ["\n"]}, "stop"),
+    ("/v1/completions", {"frequency_penalty": 0.5}, "penalties"),
+    ("/v1/completions", {"min_tokens": 2}, "min_tokens"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}, "other_field"),
+    ("/v1/completions", {"bad_words": ["x"]}, "other_field"),
+])  # fmt: skip
+def test_only_greedy_completions_of_one_prompt_take_the_mode(path: str, change: dict[str, Any],
+                                                             reason: str | None) -> None:
+    body = {**GREEDY, **change}
+    if "temperature" in change and change["temperature"] is None:
+        del body["temperature"]
+    assert why_not(path, body) == reason
+    assert reason is None or reason in REASONS
+
+
+def test_decodes_leg_is_the_prompts_token_ids_and_the_first_token_one_token_shorter() -> None:
+    first = first_of(prefill_answer())
+    leg = decode_leg({**GREEDY, "kv_transfer_params": {"do_remote_prefill": True}, "add_special_tokens": True}, first)
+    assert leg["prompt"] == [*PROMPT_IDS, FIRST_ID] and leg["max_tokens"] == 3
+    assert "kv_transfer_params" not in leg and "add_special_tokens" not in leg  # a client's steer nothing
+    assert decode_leg({k: v for k, v in GREEDY.items() if k != "max_tokens"}, first)["max_tokens"] == 15
+    assert decode_leg({**GREEDY, "max_tokens": None}, first)["max_tokens"] is None
+
+
+def test_the_first_token_ends_the_request_at_one_token_or_a_stop() -> None:
+    assert not ends_at_first(first_of(prefill_answer()), GREEDY)
+    assert ends_at_first(first_of(prefill_answer()), {**GREEDY, "max_tokens": 1})
+    assert ends_at_first(first_of(prefill_answer("stop")), GREEDY)  # an end-of-text or stop token
+
+
+@pytest.mark.parametrize("answer", [
+    {"choices": []}, {"choices": [{"text": "A", "token_ids": [7]}]},  # no prompt ids: a vLLM without them
+    {"choices": [{"prompt_token_ids": [1], "token_ids": [7, 8]}]}, "not an object",
+])  # fmt: skip
+def test_a_prefill_answer_without_its_tokens_is_refused(answer: Any) -> None:
+    with pytest.raises(ValueError):
+        first_of(answer)
+
+
+# -- the answers ------------------------------------------------------------------------------
+
+
+def test_the_whole_answer_is_the_first_token_then_decodes_counted_as_one_engine() -> None:
+    first = first_of(prefill_answer())
+    decode = {"id": "cmpl-d", "created": 12, "model": "m", "choices": [
+        {"index": 0, "text": "BCD", "finish_reason": "length", "prompt_token_ids": [*PROMPT_IDS, FIRST_ID],
+         "token_ids": REST_IDS}], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+    body = merged_body(first, decode, {**GREEDY, "return_token_ids": True})
+    (choice,) = body["choices"]
+    assert (body["id"], body["created"], choice["text"], choice["finish_reason"]) == ("cmpl-p", 11, "ABCD", "length")
+    assert choice["prompt_token_ids"] == PROMPT_IDS and choice["token_ids"] == [FIRST_ID, *REST_IDS]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    plain = merged_body(first, {**decode, "choices": [{**decode["choices"][0], "prompt_token_ids": None,
+                                                        "token_ids": None}]}, GREEDY)  # fmt: skip
+    assert plain["choices"][0]["token_ids"] is None and plain["choices"][0]["prompt_token_ids"] is None
+    alone = prefill_only_body(first, GREEDY)  # the ids were asked by the proxy, not the client
+    assert alone["choices"][0]["token_ids"] is None and alone["choices"][0]["text"] == "A"
+
+
+def events(raw: bytes) -> list[Any]:
+    return [b if b == "[DONE]" else json.loads(b) for b in
+            (e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e)]  # fmt: skip
+
+
+def test_the_first_streamed_event_is_one_engines_chunk_and_a_last_one_ends_the_stream() -> None:
+    first = first_of(prefill_answer())
+    (chunk,) = events(first_chunks(first, {**GREEDY, "stream": True, "return_token_ids": True}, last=False))
+    assert chunk["id"] == "cmpl-p" and chunk["object"] == "text_completion" and "usage" not in chunk
+    assert chunk["choices"] == [{"index": 0, "text": "A", "logprobs": None, "finish_reason": None,
+                                 "stop_reason": None, "prompt_token_ids": PROMPT_IDS, "token_ids": [FIRST_ID]}]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    last = events(first_chunks(first_of(prefill_answer("stop")), {**GREEDY, "stream_options": options}, last=True))
+    assert [e if e == "[DONE]" else (e["choices"], e.get("usage")) for e in last] == [
+        ([{"index": 0, "text": "A", "logprobs": None, "finish_reason": "stop", "stop_reason": None,
+           "prompt_token_ids": None, "token_ids": None}], {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}),
+        ([], {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}), "[DONE]"]  # fmt: skip
+
+
+def test_decodes_stream_is_rewritten_event_by_event_however_it_is_cut() -> None:
+    first = first_of(prefill_answer())
+    decode = [
+        {"id": "cmpl-d", "created": 12, "object": "text_completion", "model": "m", "choices": [
+            {"index": 0, "text": "B", "prompt_token_ids": [*PROMPT_IDS, FIRST_ID], "token_ids": [8]}]},
+        {"id": "cmpl-d", "created": 12, "object": "text_completion", "model": "m", "choices": [
+            {"index": 0, "text": "C", "prompt_token_ids": None, "token_ids": [9], "finish_reason": "length"}]},
+        {"id": "cmpl-d", "created": 12, "object": "text_completion", "model": "m", "choices": [],
+         "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}},
+        {"error": {"message": "x"}},
+    ]
+    raw = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in decode) + b"data: [DONE]\n\n"
+    for cut in (1, 7, 50, len(raw)):
+        rewriter = StreamRewriter(first)
+        out = b"".join(rewriter.feed(raw[i:i + cut]) for i in range(0, len(raw), cut)) + rewriter.flush()
+        got = events(out)
+        assert [e.get("id") for e in got[:3]] == ["cmpl-p"] * 3 and got[3] == decode[3] and got[4] == "[DONE]"
+        assert got[0]["choices"][0]["prompt_token_ids"] is None and got[0]["choices"][0]["token_ids"] == [8]
+        assert got[2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+# -- the flow through the proxy -----------------------------------------------------------------
+
+
+class Engines:
+    """Prefill answers its leg with the prompt's token ids and its first token, then asks the
+    proxy for its targets (signed, as its connector does); Decode posts its rendezvous, waits
+    for Prefill's targets to be answered (its KV came), then answers its own tokens."""
+
+    def __init__(self, proxy: httpx.AsyncClient, finish: str = "length") -> None:
+        self.proxy, self.finish = proxy, finish
+        self.prefill_bodies: list[dict[str, Any]] = []
+        self.decode_bodies: list[dict[str, Any]] = []
+        self.asks: list[asyncio.Task[httpx.Response]] = []
+        self.client_has_first = asyncio.Event()  # set by a test that reads the first event
+        self.wait_for_client = False
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json={})
+        body = json.loads(request.content)
+        if request.url.host == "prefill":
+            self.prefill_bodies.append(body)
+            rid = body["kv_transfer_params"]["rd2h"]["id"]
+            ask = targets_ask(SECRET, rid, time.time())
+            self.asks.append(asyncio.ensure_future(self.proxy.post("/v1/rd2h/targets", json=ask)))
+            return httpx.Response(200, json=prefill_answer(self.finish))
+        self.decode_bodies.append(body)
+        if "kv_transfer_params" not in body:  # the normal flow's plain leg, or a fallback's Decode leg
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": "plain"}]})
+        ours = verify(SECRET, body["kv_transfer_params"]["rd2h"], time.time())
+        if self.wait_for_client:  # nothing from Decode before the client had its first token
+            await asyncio.wait_for(self.client_has_first.wait(), 5)
+        rendezvous = {"ext_id": f"{ours['id']}-0-0", "endpoint": "127.0.0.1:5600/1", "first_block": 0}
+        assert (await self.proxy.post("/v1/rd2h/rendezvous", json=sign(SECRET, rendezvous, time.time()))).is_success
+        if self.asks:
+            assert (await asyncio.wait_for(self.asks[-1], 5)).status_code == 200  # Prefill had its targets
+        usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+        choice = {"index": 0, "text": "BCD", "finish_reason": "length", "stop_reason": None, "logprobs": None,
+                  "prompt_token_ids": body["prompt"], "token_ids": REST_IDS}
+        if not body.get("stream"):
+            return httpx.Response(200, json={"id": "cmpl-d", "created": 12, "model": "m", "choices": [choice],
+                                             "usage": usage})  # fmt: skip
+
+        async def stream() -> Any:
+            for i, (text, token) in enumerate(zip("BCD", REST_IDS)):
+                delta = {**choice, "text": text, "token_ids": [token], "prompt_token_ids": None if i else body["prompt"],
+                         "finish_reason": "length" if i == 2 else None}  # fmt: skip
+                yield f"data: {json.dumps({'id': 'cmpl-d', 'created': 12, 'choices': [delta]})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+
+
+def run(scenario: Any, **config: Any) -> Any:
+    async def main() -> Any:
+        settings = {"retries": 1, "backoff": 0.01, "health_interval": 0, "first_token": URL, **config}
+        public, internal = create_apps(ProxyConfig(prefill=["http://prefill"], decode=["http://decode"], secret=SECRET,
+                                                   **settings))  # fmt: skip
+        async with httpx.AsyncClient(transport=Split(public, internal), base_url="http://proxy") as client:
+            engines = Engines(client)
+            public.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
+            return await scenario(client, engines)
+
+    return asyncio.run(main())
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_greedy_request_gets_prefills_token_then_decodes_and_prefill_its_targets() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        answer = await client.post("/v1/completions", json={**GREEDY, "return_token_ids": True,
+                                                             "kv_transfer_params": {"do_remote_prefill": False}})
+        assert answer.status_code == 200, answer.text
+        (choice,) = answer.json()["choices"]
+        assert (choice["text"], choice["token_ids"], choice["prompt_token_ids"]) == ("ABCD", [7, 8, 9, 10], [1, 2, 3])
+        assert answer.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        (prefill,), (decode,) = engines.prefill_bodies, engines.decode_bodies
+        assert prefill["max_tokens"] == 1 and prefill["return_token_ids"] is True
+        later = accept_later(SECRET, prefill["kv_transfer_params"]["rd2h"], "cmpl-x", time.time())
+        assert later is not None and later.first and later.url == URL
+        assert decode["prompt"] == [1, 2, 3, 7] and decode["max_tokens"] == 3
+        ext_id, _, _, tail = accept_decode_leg(SECRET, decode["kv_transfer_params"]["rd2h"], "cmpl-x", time.time())
+        assert tail == 1 and ext_id == f"{later.rid}-0-0"  # the same request on both engines
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        t = record["t"]
+        assert record["first_token"] == "continued" and record["status"] == 200
+        assert t["prefill_sent"] <= t["prefill_answered"] <= t["decode_sent"] <= t["targets_sent"]
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="continued"}') == 1
+
+    run(scenario)
+
+
+def test_a_stream_sends_the_first_token_before_decode_answers_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rd2h.proxy import first_flow
+
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        engines.wait_for_client = True  # Decode says nothing until the first event went to the client
+        sent = first_flow._first_out
+
+        def first_out(proxy: Any, pending: Any) -> None:  # right after the first event was handed to the server
+            sent(proxy, pending)
+            engines.client_has_first.set()
+
+        monkeypatch.setattr(first_flow, "_first_out", first_out)
+        answer = await client.post("/v1/completions", json={**GREEDY, "stream": True, "return_token_ids": True})
+        got = events(answer.content)
+        assert [e if e == "[DONE]" else e["choices"][0]["text"] for e in got] == ["A", "B", "C", "D", "[DONE]"]
+        assert [t for e in got[:-1] for t in e["choices"][0]["token_ids"]] == [7, 8, 9, 10]
+        assert [e["choices"][0]["prompt_token_ids"] for e in got[:-1]] == [[1, 2, 3], None, None, None]
+        assert {e["id"] for e in got[:-1]} == {"cmpl-p"}
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        assert record["t"]["first_token_out"] <= record["t"]["decode_answered"] and record["status"] == 200
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(("change", "finish"), [({"max_tokens": 1}, "length"), ({}, "stop")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_first_token_that_ends_the_request_is_the_answer_and_prefill_hears_no_targets_come(
+        change: dict[str, Any], finish: str, stream: bool) -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        engines.finish = finish
+        answer = await client.post("/v1/completions", json={**GREEDY, **change, "stream": stream})
+        assert answer.status_code == 200 and engines.decode_bodies == []
+        if stream:
+            assert [e if e == "[DONE]" else e["choices"][0]["finish_reason"] for e in events(answer.content)] == [
+                finish, "[DONE]"]  # fmt: skip
+        else:
+            assert answer.json()["choices"][0]["text"] == "A" and answer.json()["choices"][0]["token_ids"] is None
+        # 410 if the ask came first, 404 after the request ended: either frees Prefill's blocks (rd2h.vllm.later)
+        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="ended_at_first"}') == 1
+        assert (await client.get("/health")).json()["pending"] == 0
+
+    run(scenario)
+
+
+def test_what_the_mode_cannot_serve_takes_the_normal_flow_counted_by_reason() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        for change in ({"temperature": 1.0}, {"stop": ["x"]}, {"temperature": 1.0}):
+            engines.asks.clear()
+            answer = await client.post("/v1/completions", json={**GREEDY, **change})
+            assert answer.status_code == 200
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_first_token_fallbacks_total{reason="sampling"}') == 2
+        assert metric(scrape, 'rd2h_proxy_first_token_fallbacks_total{reason="stop"}') == 1
+        assert metric(scrape, "rd2h_proxy_first_token_requests_total") == 0
+        assert all("tail" not in verify(SECRET, d["kv_transfer_params"]["rd2h"], time.time())
+                   for d in engines.decode_bodies)  # fmt: skip
+        assert all(p["max_tokens"] == 1 and "first_token" not in p["kv_transfer_params"]["rd2h"]
+                   for p in engines.prefill_bodies)  # fmt: skip
+
+    run(scenario)
+
+
+def test_a_prefill_that_fails_its_leg_is_a_502_and_decode_never_hears_of_it() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        async def broken(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "prefill":
+                return httpx.Response(200, json={"choices": [{"index": 0, "text": "A"}]})  # no token ids
+            return await engines(request)
+
+        client_of = client._transport.public.app.state.proxy  # type: ignore[attr-defined]
+        client_of.client = httpx.AsyncClient(transport=httpx.MockTransport(broken))
+        answer = await client.post("/v1/completions", json=GREEDY)
+        assert answer.status_code == 502 and "prompt_token_ids" in answer.text and engines.decode_bodies == []
+        assert (await client.get("/health")).json()["pending"] == 0
+
+    run(scenario)
+
+
+def test_the_cli_option_gives_first_token_requests_a_targets_url_and_the_others_their_own_flow() -> None:
+    import argparse
+
+    from rd2h.cli.commands.proxy import add_parser, targets_url
+    from rd2h.errors import ConfigError
+
+    parse = add_parser(argparse.ArgumentParser().add_subparsers()).parse_args
+    args = parse(["--prefill", "http://p", "--decode", "http://d", "--first-token-from-prefill"])
+    assert targets_url(args, 8001, "/v1/rd2h/targets", flag="first_token_from_prefill") == \
+        "http://127.0.0.1:8001/v1/rd2h/targets"  # fmt: skip
+    assert targets_url(args, 8001, "/v1/rd2h/targets") is None  # fallbacks: sequential unless --prefill-at-once
+    args = parse(["--prefill", "http://p", "--decode", "http://d", "--first-token-from-prefill",
+                  "--internal-url", "http://proxy:9"])  # fmt: skip
+    assert targets_url(args, 8001, "/t", flag="first_token_from_prefill") == "http://proxy:9/t"
+    with pytest.raises(ConfigError):
+        targets_url(parse(["--prefill", "http://p", "--decode", "http://d", "--internal-url", "http://x"]), 1, "/t")
