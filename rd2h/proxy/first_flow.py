@@ -44,6 +44,7 @@ from rd2h.proxy.first_token import (
     first_of,
     merged_body,
     prefill_only_body,
+    splits_a_character,
     why_not,
 )  # fmt: skip
 from rd2h.vllm.params import MAX_WAIT, decode_fields, later_fields
@@ -91,17 +92,23 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
             chunk = first_chunks(first, body, last=True)
             return StreamingResponse(_once(chunk), media_type="text/event-stream", headers=answer_headers)
         return JSONResponse(prefill_only_body(first, body), headers=answer_headers)
-    leg = decode_leg(body, first)
+    ours: First | None = first
+    if splits_a_character(first):  # its text is not the client's: Decode generates every token (Prefill at once)
+        ours, leg, tail = None, {k: v for k, v in body.items() if k != "kv_transfer_params"}, 0
+        proxy.metrics.first_token_fallbacks.labels("split_character").inc()
+        pending.record["first_token"] = "split_character: Decode generates it again, Prefill sent at once"
+    else:
+        leg, tail = decode_leg(body, first), 1
+        pending.record["first_token"] = "continued"
     decode_body = {**leg, "kv_transfer_params": {"do_remote_prefill": True, "rd2h": decode_fields(
-        proxy.config.secret, pending.rid, 1, 1, time.time(), tail=1)}}  # fmt: skip
+        proxy.config.secret, pending.rid, 1, 1, time.time(), tail=tail)}}  # fmt: skip
     owes = asyncio.create_task(_owes(pending))
     decode = asyncio.create_task(proxy._send(proxy.decode_pool, path, decode_body, stream=stream, pending=pending))
-    pending.record["first_token"] = "continued"
     if stream:
-        return StreamingResponse(_stream(proxy, pending, (path, leg), first, body, (decode, owes), timer),
+        return StreamingResponse(_stream(proxy, pending, (path, leg), ours, body, (decode, owes), timer),
                                  media_type="text/event-stream", headers=answer_headers)  # fmt: skip
     try:
-        return await _whole(proxy, pending, (path, leg), first, body, (decode, owes), answer_headers)
+        return await _whole(proxy, pending, (path, leg), ours, body, (decode, owes), answer_headers)
     finally:
         timer.cancel()
 
@@ -176,10 +183,11 @@ async def _decode_answer(proxy: Proxy, pending: _Pending, request: tuple[str, di
         return await proxy.recompute(pending, *request, exc)
 
 
-async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]], first: First,
+async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]], first: First | None,
                  body: dict[str, Any], legs: tuple[asyncio.Task[httpx.Response], asyncio.Task[None]],
                  headers: dict[str, str]) -> Response:
-    """A non-streamed request: the first token and Decode's answer in one body."""
+    """A non-streamed request: the first token and Decode's answer in one body (``first`` None:
+    Decode's answer as it is)."""
     decode, owes = legs
     try:
         try:
@@ -197,6 +205,9 @@ async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, 
             proxy.metrics.first_token.labels("failed").inc()
             proxy.finish(pending, response.status_code, f"Decode answered {response.status_code}")
             return Response(data, response.status_code, headers=headers, media_type="application/json")
+        if first is None:
+            proxy.finish(pending, 200)
+            return Response(data, 200, headers=headers, media_type="application/json")
         try:
             answer = merged_body(first, json.loads(data), body)
         except ValueError as exc:
@@ -217,15 +228,17 @@ async def _once(chunk: bytes) -> AsyncIterator[bytes]:
     yield chunk
 
 
-async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]], first: First,
+async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]], first: First | None,
                   body: dict[str, Any], legs: tuple[asyncio.Task[httpx.Response], asyncio.Task[None]],
                   timer: asyncio.TimerHandle) -> AsyncIterator[bytes]:
-    """A streamed request: the first token at once, then Decode's stream rewritten as the rest."""
+    """A streamed request: the first token at once, then Decode's stream rewritten as the rest
+    (``first`` None: Decode's stream as it is)."""
     decode, owes = legs
     relayed = False  # once Decode's stream is relayed, _relay ends the request
     try:
-        yield first_chunks(first, body, last=False)
-        _first_out(proxy, pending)
+        if first is not None:
+            yield first_chunks(first, body, last=False)
+            _first_out(proxy, pending)
         try:
             response = await _decode_answer(proxy, pending, request, legs)
         except EngineError as exc:
@@ -242,6 +255,10 @@ async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str,
             yield f"data: {json.dumps(error_body(message, 'rd2h_proxy_error', 502))}\n\n".encode()
             return
         relayed = True
+        if first is None:
+            async for raw in proxy._relay(response, owes, pending, request):
+                yield raw
+            return
         proxy.metrics.first_token.labels("continued").inc()
         rewriter = StreamRewriter(first)
         async for raw in proxy._relay(response, owes, pending, request):

@@ -16,7 +16,9 @@ model's default), no seed, logprobs, echo, stop strings, presence or frequency p
 ``min_tokens``, structured output or any field not known to be safe here
 (:data:`SAFE_FIELDS`). Anything else takes the normal flow, counted by reason
 (:func:`why_not`). Where the first token ends the request (``max_tokens`` 1, or Prefill
-stopped: an end-of-text or stop token) the answer is Prefill's alone.
+stopped: an end-of-text or stop token) the answer is Prefill's alone. Where the first token
+may be part of a character (:func:`splits_a_character`) Decode generates every token, Prefill's
+sent at once (counted as ``split_character``): the text would not be one engine's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "REASONS", "SAFE_FIELDS", "First", "StreamRewriter", "decode_leg", "ends_at_first",
-    "first_chunks", "first_of", "merged_body", "prefill_only_body", "why_not",
+    "first_chunks", "first_of", "merged_body", "prefill_only_body", "splits_a_character", "why_not",
 ]  # fmt: skip
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's /v1/completions default when a client gives none
@@ -109,6 +111,15 @@ def ends_at_first(first: First, body: dict[str, Any]) -> bool:
     """The first token ends the request: one token asked for, or Prefill stopped (not at its
     length of one: an end-of-text or stop token)."""
     return body.get("max_tokens", DEFAULT_MAX_TOKENS) == 1 or first.finish_reason != "length"
+
+
+def splits_a_character(first: First) -> bool:
+    """Prefill's first token may be part of a character: its text is empty (vLLM holds back an
+    incomplete UTF-8 sequence; a special token skipped is empty too) or holds U+FFFD. One engine
+    writes such bytes with the next token, and a Decode given that token as its prompt's last
+    writes other text for the next one (seen: the whole prompt's text again). Tokens would
+    match, text not: Decode must generate the first token itself."""
+    return not first.text or "\ufffd" in first.text
 
 
 def decode_leg(body: dict[str, Any], first: First) -> dict[str, Any]:

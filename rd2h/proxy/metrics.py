@@ -75,7 +75,9 @@ class ProxyMetrics:
         self.first_token_fallbacks = Counter("rd2h_proxy_first_token_fallbacks", "Requests that took the normal flow "
                                              "under --first-token-from-prefill, by reason (chat, prompt_list, n, "
                                              "sampling, seed, logprobs, echo, stop, penalties, min_tokens, "
-                                             "max_tokens, other_field)", ["reason"], registry=self.registry)
+                                             "max_tokens, other_field; split_character: Prefill's token was part "
+                                             "of a character, Decode generated every token)", ["reason"],
+                                             registry=self.registry)
         self.first_token_seconds = Histogram("rd2h_proxy_first_token_seconds", "From the client's request to its "
                                              "first token sent, Prefill's (--first-token-from-prefill)",
                                              buckets=_SECONDS, registry=self.registry)

@@ -34,9 +34,9 @@ GREEDY = {"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0}
 PROMPT_IDS, FIRST_ID, REST_IDS = [1, 2, 3], 7, [8, 9, 10]
 
 
-def prefill_answer(finish: str = "length") -> dict[str, Any]:
+def prefill_answer(finish: str = "length", text: str = "A") -> dict[str, Any]:
     return {"id": "cmpl-p", "object": "text_completion", "created": 11, "model": "m", "kv_transfer_params": None,
-            "choices": [{"index": 0, "text": "A", "logprobs": None, "finish_reason": finish, "stop_reason": None,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
                          "prompt_token_ids": PROMPT_IDS, "token_ids": [FIRST_ID]}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}  # fmt: skip
 
@@ -167,7 +167,7 @@ class Engines:
     for Prefill's targets to be answered (its KV came), then answers its own tokens."""
 
     def __init__(self, proxy: httpx.AsyncClient, finish: str = "length") -> None:
-        self.proxy, self.finish = proxy, finish
+        self.proxy, self.finish, self.text = proxy, finish, "A"
         self.prefill_bodies: list[dict[str, Any]] = []
         self.decode_bodies: list[dict[str, Any]] = []
         self.asks: list[asyncio.Task[httpx.Response]] = []
@@ -183,7 +183,7 @@ class Engines:
             rid = body["kv_transfer_params"]["rd2h"]["id"]
             ask = targets_ask(SECRET, rid, time.time())
             self.asks.append(asyncio.ensure_future(self.proxy.post("/v1/rd2h/targets", json=ask)))
-            return httpx.Response(200, json=prefill_answer(self.finish))
+            return httpx.Response(200, json=prefill_answer(self.finish, self.text))
         self.decode_bodies.append(body)
         if "kv_transfer_params" not in body:  # the normal flow's plain leg, or a fallback's Decode leg
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "plain"}]})
@@ -349,3 +349,26 @@ def test_the_cli_option_gives_first_token_requests_a_targets_url_and_the_others_
     assert targets_url(args, 8001, "/t", flag="first_token_from_prefill") == "http://proxy:9/t"
     with pytest.raises(ConfigError):
         targets_url(parse(["--prefill", "http://p", "--decode", "http://d", "--internal-url", "http://x"]), 1, "/t")
+
+
+@pytest.mark.parametrize(("stream", "text"), [(False, "\ufffd"), (True, "\ufffd"), (False, ""), (True, "")])
+def test_a_first_token_that_is_part_of_a_character_lets_decode_generate_every_token(stream: bool, text: str) -> None:
+    """vLLM writes nothing (or U+FFFD) for a token inside a character; one engine writes it with
+    the next token, and a Decode given that token as its prompt's last writes other text (the
+    prompt's again): Decode gets the client's request (Prefill at once), its answer relayed."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        engines.text = text
+        answer = await client.post("/v1/completions", json={**GREEDY, "stream": stream})
+        assert answer.status_code == 200
+        texts = [e["choices"][0]["text"] for e in events(answer.content)[:-1]] if stream else [
+            answer.json()["choices"][0]["text"]]  # fmt: skip
+        assert "".join(texts) == "BCD" and answer.json()["id"] == "cmpl-d" if not stream else "".join(texts) == "BCD"
+        (decode,) = engines.decode_bodies
+        assert decode["prompt"] == "hello" and decode["max_tokens"] == 4
+        assert accept_decode_leg(SECRET, decode["kv_transfer_params"]["rd2h"], "cmpl-x", time.time())[3] == 0
+        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code == 200  # Prefill's KV still serves Decode
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_first_token_fallbacks_total{reason="split_character"}') == 1
+        assert metric(scrape, "rd2h_proxy_first_token_requests_total") == 0
+
+    run(scenario)
