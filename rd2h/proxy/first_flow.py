@@ -166,7 +166,7 @@ def _first_out(proxy: Proxy, pending: _Pending) -> None:
 async def _owes(pending: _Pending) -> None:
     """Prefill's part once Decode's leg is out: every rendezvous in time, then Prefill alive until
     Decode's first byte (:func:`rd2h.proxy.early.prefill_owes`)."""
-    await pending.all_in
+    await asyncio.shield(pending.all_in)  # cancelled, it must not cancel the future Prefill's ask waits on
     if not pending.nothing:  # Decode loads nothing (e.g. its prefix cache holds it): nothing is owed
         await prefill_owes(pending)
 

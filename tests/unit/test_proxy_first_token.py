@@ -372,3 +372,46 @@ def test_a_first_token_that_is_part_of_a_character_lets_decode_generate_every_to
         assert metric(scrape, "rd2h_proxy_first_token_requests_total") == 0
 
     run(scenario)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_that_fails_after_the_first_token_ends_the_request_with_an_error(stream: bool) -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        async def failing(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "decode" and request.method == "POST":
+                return httpx.Response(500, json={"error": {"message": "boom"}})
+            return await engines(request)
+
+        client._transport.public.app.state.proxy.client = httpx.AsyncClient(  # type: ignore[attr-defined]
+            transport=httpx.MockTransport(failing))
+        answer = await client.post("/v1/completions", json={**GREEDY, "stream": stream})
+        if stream:  # the first token went out with the headers: an error event follows, no [DONE]
+            got = events(answer.content)
+            assert got[0]["choices"][0]["text"] == "A" and "error" in got[-1] and "[DONE]" not in got
+            assert "Decode answered 500" in got[-1]["error"]["message"]
+        else:
+            assert answer.status_code == 500 and "boom" in answer.text
+        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)  # Prefill frees its blocks
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 1
+        assert (await client.get("/health")).json()["pending"] == 0
+
+    run(scenario)
+
+
+def test_no_rendezvous_in_time_fails_the_request_after_its_first_token() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        async def silent(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "decode" and request.method == "POST":
+                await asyncio.Event().wait()  # never posts, never answers
+            return await engines(request)
+
+        client._transport.public.app.state.proxy.client = httpx.AsyncClient(  # type: ignore[attr-defined]
+            transport=httpx.MockTransport(silent))
+        answer = await client.post("/v1/completions", json={**GREEDY, "stream": True})
+        got = events(answer.content)
+        assert got[0]["choices"][0]["text"] == "A" and "did not post a rendezvous" in got[-1]["error"]["message"]
+        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)
+        assert (await client.get("/health")).json()["pending"] == 0
+
+    run(scenario, rendezvous_timeout=0.2)
