@@ -237,9 +237,9 @@ class Proxy:
                 fields = later_fields(self.config.secret, pending.rid, pending.prompts, self.config.targets_url,
                                       min(timeout, MAX_WAIT), time.time())  # fmt: skip
                 await leg_unless_nothing(pending, self._prefill_leg(pending, path, body, fields))
-            # awaited directly (not wait_for over gather): the last rendezvous wakes this task in
-            # one turn of the loop, not three, each behind whatever else is ready then
-            await pending.all_in
+            # shielded (one turn of the loop more than awaited directly): this task cancelled (Decode failed)
+            # must not cancel the future Prefill's ask waits on; finish() settles it, the ask gets 410
+            await asyncio.shield(pending.all_in)
         finally:
             timer.cancel()
         if pending.nothing:  # Decode loads nothing of any prompt: Prefill has nothing to compute for it

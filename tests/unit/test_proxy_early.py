@@ -108,3 +108,40 @@ def test_the_cli_names_prefill_the_internal_listener_only_with_prefill_at_once()
     assert url("--prefill-at-once", "--internal-url", "http://lb:9/") == "http://lb:9" + TARGETS_PATH
     with pytest.raises(ConfigError, match="only with --prefill-at-once"):
         url("--internal-url", "http://lb:9")  # it would do nothing: refused, not ignored
+
+
+def test_a_decode_that_fails_while_prefill_asks_for_targets_tells_prefill_no_targets_come() -> None:
+    """Decode answers an error while Prefill's ask waits: the request ends, and the ask is
+    answered 410 (Prefill frees its blocks), not cut off by the Prefill task's cancellation."""
+
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        asked = asyncio.Event()
+
+        async def failing(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "decode" and request.method == "POST":
+                await asyncio.wait_for(asked.wait(), 5)  # Prefill's ask is in and waits
+                return httpx.Response(500, json={"error": {"message": "boom"}})
+            return await engines(request)
+
+        proxy = engines.public_proxy
+        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(failing))
+        request = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "a"}))
+        await asyncio.wait_for(engines.prefilled.wait(), 5)
+        (pending,) = proxy.pending.values()
+        mark = pending.mark
+
+        def marked(name: str) -> None:
+            mark(name)
+            if name == "targets_asked":  # the ask's handler goes on to wait, in this same turn
+                asked.set()
+
+        pending.mark = marked
+        rid = engines.prefill_bodies[0]["kv_transfer_params"]["rd2h"]["id"]
+        ask = asyncio.create_task(client.post(TARGETS, json=targets_ask(SECRET, rid, time.time())))
+        response = await asyncio.wait_for(request, 5)
+        assert response.status_code == 500 and "boom" in response.text
+        answer = await asyncio.wait_for(ask, 5)
+        assert answer.status_code == 410 and "no targets" in answer.text
+        assert (await client.get("/health")).json()["pending"] == 0
+
+    run(scenario, targets_url=URL)
