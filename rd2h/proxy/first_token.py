@@ -72,8 +72,10 @@ def why_not(path: str, body: dict[str, Any]) -> str | None:
     if body.get("min_tokens"):
         return "min_tokens"
     limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        return "max_tokens"  # the normal flow answers vLLM's own error
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        # the normal flow answers vLLM's own error; null means vLLM's default (16 here, up to the model's
+        # length in others): one token less of that is not ours to write, the normal flow passes it on
+        return "max_tokens"
     if any(key not in SAFE_FIELDS for key in body):
         return "other_field"
     return None
@@ -126,8 +128,7 @@ def decode_leg(body: dict[str, Any], first: First) -> dict[str, Any]:
     """Decode's leg: the prompt as token ids with the first token last, one token less to go."""
     leg = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "add_special_tokens")}
     leg["prompt"] = [*first.prompt_ids, first.token_id]  # token ids: Decode adds no special token
-    limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    leg["max_tokens"] = None if limit is None else limit - 1
+    leg["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS) - 1  # an int >= 1 (why_not)
     return leg
 
 

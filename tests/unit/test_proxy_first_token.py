@@ -47,7 +47,14 @@ def prefill_answer(finish: str = "length", text: str = "A") -> dict[str, Any]:
 @pytest.mark.parametrize(("path", "change", "reason"), [
     ("/v1/completions", {}, None),
     ("/v1/completions", {"prompt": [5, 6, 7], "return_token_ids": True, "stream": True}, None),
-    ("/v1/completions", {"max_tokens": None, "ignore_eos": True, "stop_token_ids": [2], "top_k": 1}, None),
+    ("/v1/completions", {"ignore_eos": True, "stop_token_ids": [2], "top_k": 1, "top_p": 0.5, "min_p": 0.1}, None),
+    ("/v1/completions", {"user": "u", "logit_bias": {"5": -100}, "skip_special_tokens": False, "priority": 1}, None),
+    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": True}, "repetition_penalty": 1.2}, None),
+    ("/v1/completions", {"max_tokens": None}, "max_tokens"),  # vLLM's default (16 in 0.32): not one less of it
+    ("/v1/completions", {"suffix": "x"}, "other_field"),
+    ("/v1/completions", {"include_stop_str_in_output": True}, "other_field"),
+    ("/v1/completions", {"truncate_prompt_tokens": 2}, "other_field"),  # Prefill's prompt ids are the whole prompt
+    ("/v1/completions", {"prompt_embeds": "eA=="}, "other_field"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "chat"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt_list"),
     ("/v1/completions", {"prompt": [[1, 2]]}, "prompt_list"),
@@ -80,7 +87,6 @@ def test_decodes_leg_is_the_prompts_token_ids_and_the_first_token_one_token_shor
     assert leg["prompt"] == [*PROMPT_IDS, FIRST_ID] and leg["max_tokens"] == 3
     assert "kv_transfer_params" not in leg and "add_special_tokens" not in leg  # a client's steer nothing
     assert decode_leg({k: v for k, v in GREEDY.items() if k != "max_tokens"}, first)["max_tokens"] == 15
-    assert decode_leg({**GREEDY, "max_tokens": None}, first)["max_tokens"] is None
 
 
 def test_the_first_token_ends_the_request_at_one_token_or_a_stop() -> None:
