@@ -222,6 +222,8 @@ async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, 
         for task in legs:
             if not task.done():
                 await cancel(task)
+        if pending.rid in proxy.pending:  # cancelled (the client went away): Prefill's ask gets 410
+            proxy.finish(pending, 499, "the client went away", kind="cancelled")
 
 
 async def _once(chunk: bytes) -> AsyncIterator[bytes]:

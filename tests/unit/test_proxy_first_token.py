@@ -421,3 +421,40 @@ def test_no_rendezvous_in_time_fails_the_request_after_its_first_token() -> None
         assert (await client.get("/health")).json()["pending"] == 0
 
     run(scenario, rendezvous_timeout=0.2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_before_decode_answered_ends_the_request_and_prefill_hears_no_targets_come(
+        stream: bool) -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        decode_seen = asyncio.Event()
+
+        async def silent(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "decode" and request.method == "POST":
+                decode_seen.set()
+                await asyncio.Event().wait()  # never posts, never answers
+            return await engines(request)
+
+        proxy = client._transport.public.app.state.proxy  # type: ignore[attr-defined]
+        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(silent))
+        if stream:  # as the server does when the client hangs up: the stream is closed after its first event
+            from rd2h.proxy.first_flow import first_token_answer
+
+            answer = await first_token_answer(proxy, "/v1/completions", {**GREEDY, "stream": True},
+                                              {"x-request-id": "r"}, time.monotonic())  # fmt: skip
+            chunks = answer.body_iterator  # type: ignore[union-attr]
+            assert b'"text":"A"' in await chunks.__anext__()  # type: ignore[union-attr]
+            await asyncio.wait_for(decode_seen.wait(), 5)
+            await chunks.aclose()  # type: ignore[union-attr]
+        else:
+            request = asyncio.create_task(client.post("/v1/completions", json=GREEDY))
+            await asyncio.wait_for(decode_seen.wait(), 5)
+            request.cancel()  # the client went away (the server cancels its handler)
+            with pytest.raises(asyncio.CancelledError):
+                await request
+        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)  # Prefill frees its blocks
+        assert (await client.get("/health")).json()["pending"] == 0
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        assert record["status"] == 499
+
+    run(scenario, rendezvous_timeout=30)
