@@ -18,7 +18,7 @@ from vllm_kit import SECRET, make_request, make_scheduler, runner_output, write_
 
 from rd2h.vllm.metadata import WorkerReport
 from rd2h.vllm.params import accept_decode_leg, decode_fields, later_fields
-from rd2h.vllm.vouch import verify
+from rd2h.vllm.vouch import sign, verify
 
 
 @pytest.fixture(scope="module")
@@ -91,4 +91,46 @@ def test_a_mamba_prefill_asked_for_its_first_token_computes_the_prompt_whole_and
     out = scheduler.schedule()
     assert out.num_scheduled_tokens["cmpl-f-0-abcdef12"] == 50 and not out.kv_connector_metadata.send_new
     assert scheduler.connector._truncation.refused == 1  # counted as state_uncut
+    scheduler.connector.shutdown()
+
+
+@pytest.mark.parametrize("forged", ["tail added", "another secret", "tail for two prompts", "tail 2"])
+def test_a_direct_decode_request_with_a_forged_tail_is_refused_counted_and_computed_here(
+        model: Path, forged: str) -> None:
+    """A client writing to Decode directly cannot make it load all but a last token of its own
+    choosing: a ``tail`` the proxy did not sign for this request is refused like any forged field."""
+    rid, now = hexid("g"), time.time()
+    fields = {
+        "tail added": {**decode_fields(SECRET, rid, 1, 1, now), "tail": 1},  # the proxy's fields, a client's addition
+        "another secret": decode_fields(b"not-the-shared-secret-0123456789", rid, 1, 1, now, tail=1),
+        "tail for two prompts": decode_fields(SECRET, rid, 2, 1, now, tail=1),  # never signed by the proxy
+        "tail 2": sign(SECRET, {"leg": "decode", "id": rid, "prompts": 1, "samples": 1, "tail": 2}, now),
+    }[forged]
+    scheduler, posts = make_scheduler(model, "kv_consumer")
+    ours = scheduler.connector.scheduler
+    req = "cmpl-g-0-abcdef12"
+    scheduler.add_request(make_request(req, 65, {"do_remote_prefill": True, "rd2h": fields}))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {req: 65} and not meta_of(out).recv  # computed here, nothing pulled
+    assert ours.stats["refused_params"] == 1 and not posts.bodies  # counted; no rendezvous names it
+    scheduler.connector.shutdown()
+
+
+@pytest.mark.parametrize("forged", ["first_token added", "unsigned"])
+def test_a_direct_prefill_request_with_a_forged_first_token_is_refused_and_nothing_is_held(
+        model: Path, forged: str) -> None:
+    """A client cannot make Prefill hold blocks or ask for targets with fields the proxy did not sign."""
+    fields = later_fields(SECRET, hexid("h"), 1, "http://proxy/v1/rd2h/targets", 5.0, time.time())
+    fields = {"first_token added": {**fields, "first_token": True},
+              "unsigned": {k: v for k, v in later_fields(SECRET, hexid("h"), 1, "http://proxy/v1/rd2h/targets", 5.0,
+                                                         time.time(), first=True).items() if k != "sig"}}[forged]
+    scheduler, _ = make_scheduler(model, "kv_producer")
+    ours = scheduler.connector.scheduler
+    req = "cmpl-h-0-abcdef12"
+    scheduler.add_request(make_request(req, 40, {"do_remote_decode": True, "rd2h": fields}, max_tokens=1))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {req: 40} and not meta_of(out).send_new and not meta_of(out).hold
+    assert ours.stats["refused_params"] == 1 and req not in ours._send and ours._targets is None  # nothing asked
+    scheduler.update_from_output(out, runner_output(out, sampled={req: 7}))
+    assert req not in scheduler.requests  # finished and freed: nothing held for targets
     scheduler.connector.shutdown()
