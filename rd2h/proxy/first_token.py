@@ -151,6 +151,8 @@ def _usage(usage: Any, first: bool) -> Any:
 def prefill_only_body(first: First, body: dict[str, Any]) -> dict[str, Any]:
     """The whole (non-streamed) answer when the first token ends the request: Prefill's."""
     answer = dict(first.answer)
+    if "kv_transfer_params" in answer:  # Prefill's, never the client's (the normal flow answers Decode's)
+        answer["kv_transfer_params"] = None
     choice = dict(answer["choices"][0])
     if not _wants_ids(body):
         choice.update(prompt_token_ids=None, token_ids=None)

@@ -458,3 +458,9 @@ def test_a_client_gone_before_decode_answered_ends_the_request_and_prefill_hears
         assert record["status"] == 499
 
     run(scenario, rendezvous_timeout=30)
+
+
+def test_prefills_transfer_params_never_reach_the_client() -> None:
+    answer = prefill_answer()
+    answer["kv_transfer_params"] = {"do_remote_prefill": True, "rd2h": {"leg": "handoff", "sig": "x"}}
+    assert prefill_only_body(first_of(answer), GREEDY)["kv_transfer_params"] is None
