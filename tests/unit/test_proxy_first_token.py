@@ -464,3 +464,36 @@ def test_prefills_transfer_params_never_reach_the_client() -> None:
     answer = prefill_answer()
     answer["kv_transfer_params"] = {"do_remote_prefill": True, "rd2h": {"leg": "handoff", "sig": "x"}}
     assert prefill_only_body(first_of(answer), GREEDY)["kv_transfer_params"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("how", ["timeout", "refused"])
+def test_a_prefill_that_times_out_or_refuses_before_the_first_token_ends_the_request_once(
+        how: str, stream: bool) -> None:
+    """Prefill asked for its targets, then timed out (httpx's read timeout: ``request_timeout``) or
+    answered an error: the client gets one error answer (nothing was streamed yet), Decode never
+    hears of the request, and Prefill's ask is refused (it frees the blocks it held)."""
+
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        async def failing(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "prefill":
+                await engines(request)  # it took the request and asked for its targets
+                if how == "timeout":
+                    raise httpx.ReadTimeout("timed out", request=request)
+                return httpx.Response(400, json={"error": {"message": "too long"}})
+            return await engines(request)
+
+        proxy = client._transport.public.app.state.proxy  # type: ignore[attr-defined]
+        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(failing))
+        answer = await client.post("/v1/completions", json={**GREEDY, "stream": stream})
+        if how == "timeout":
+            assert answer.status_code == 502 and "ReadTimeout" in answer.json()["error"]["message"]
+        else:
+            assert answer.status_code == 400 and "too long" in answer.text  # Prefill's own answer
+        assert engines.decode_bodies == []
+        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 1
+        assert (await client.get("/health")).json()["pending"] == 0
+
+    run(scenario)
