@@ -76,9 +76,23 @@ def why_not(path: str, body: dict[str, Any]) -> str | None:
         # the normal flow answers vLLM's own error; null means vLLM's default (16 here, up to the model's
         # length in others): one token less of that is not ours to write, the normal flow passes it on
         return "max_tokens"
-    if any(key not in SAFE_FIELDS for key in body):
+    if any(key not in SAFE_FIELDS for key in body) or not _stream_options_ok(body):
         return "other_field"
     return None
+
+
+_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
+
+
+def _stream_options_ok(body: dict[str, Any]) -> bool:
+    """``stream_options`` as vLLM takes them, or none: Prefill's leg drops them, so one it would
+    refuse (not streamed, an unknown key or value) would be refused only by Decode, after the
+    first token; the normal flow passes vLLM's own error on."""
+    options = body.get("stream_options")
+    if not options:
+        return True
+    return bool(body.get("stream") is True and isinstance(options, dict) and set(options) <= _STREAM_OPTIONS
+                and all(v is None or isinstance(v, bool) for v in options.values()))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,10 @@ def prefill_answer(finish: str = "length", text: str = "A") -> dict[str, Any]:
     ("/v1/completions", {"user": "u", "logit_bias": {"5": -100}, "skip_special_tokens": False, "priority": 1}, None),
     ("/v1/completions", {"stream": True, "stream_options": {"include_usage": True}, "repetition_penalty": 1.2}, None),
     ("/v1/completions", {"max_tokens": None}, "max_tokens"),  # vLLM's default (16 in 0.32): not one less of it
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "other_field"),  # vLLM: only with stream
+    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "x"}}, "other_field"),
+    ("/v1/completions", {"stream": True, "stream_options": {"usage": True}}, "other_field"),
+    ("/v1/completions", {"stream": True, "stream_options": [1]}, "other_field"),
     ("/v1/completions", {"suffix": "x"}, "other_field"),
     ("/v1/completions", {"include_stop_str_in_output": True}, "other_field"),
     ("/v1/completions", {"truncate_prompt_tokens": 2}, "other_field"),  # Prefill's prompt ids are the whole prompt
