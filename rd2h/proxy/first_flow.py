@@ -218,12 +218,18 @@ async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, 
         proxy.metrics.first_token.labels("continued").inc()
         proxy.finish(pending, 200)
         return JSONResponse(answer, headers=headers)
+    except BaseException as exc:  # the request ends here either way: Prefill's ask gets 410
+        if pending.rid in proxy.pending:
+            gone = isinstance(exc, asyncio.CancelledError)
+            if not gone:
+                proxy.metrics.first_token.labels("failed").inc()
+            proxy.finish(pending, 499 if gone else 500, "the client went away" if gone else f"proxy: {exc!r}",
+                         kind="cancelled" if gone else "proxy_failed")  # fmt: skip
+        raise
     finally:
         for task in legs:
             if not task.done():
                 await cancel(task)
-        if pending.rid in proxy.pending:  # cancelled (the client went away): Prefill's ask gets 410
-            proxy.finish(pending, 499, "the client went away", kind="cancelled")
 
 
 async def _once(chunk: bytes) -> AsyncIterator[bytes]:

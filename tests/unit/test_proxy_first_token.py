@@ -181,6 +181,7 @@ class Engines:
         self.prefill_bodies: list[dict[str, Any]] = []
         self.decode_bodies: list[dict[str, Any]] = []
         self.asks: list[asyncio.Task[httpx.Response]] = []
+        self.every_ask: list[asyncio.Task[httpx.Response]] = []  # ended before the proxy's client closes
         self.client_has_first = asyncio.Event()  # set by a test that reads the first event
         self.wait_for_client = False
 
@@ -193,6 +194,7 @@ class Engines:
             rid = body["kv_transfer_params"]["rd2h"]["id"]
             ask = targets_ask(SECRET, rid, time.time())
             self.asks.append(asyncio.ensure_future(self.proxy.post("/v1/rd2h/targets", json=ask)))
+            self.every_ask.append(self.asks[-1])
             return httpx.Response(200, json=prefill_answer(self.finish, self.text))
         self.decode_bodies.append(body)
         if "kv_transfer_params" not in body:  # the normal flow's plain leg, or a fallback's Decode leg
@@ -229,7 +231,10 @@ def run(scenario: Any, **config: Any) -> Any:
         async with httpx.AsyncClient(transport=Split(public, internal), base_url="http://proxy") as client:
             engines = Engines(client)
             public.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
-            return await scenario(client, engines)
+            try:
+                return await scenario(client, engines)
+            finally:  # an ask a test did not wait for must not outlive the client it posts with
+                await asyncio.gather(*engines.every_ask, return_exceptions=True)
 
     return asyncio.run(main())
 
@@ -499,5 +504,32 @@ def test_a_prefill_that_times_out_or_refuses_before_the_first_token_ends_the_req
         scrape = (await client.get("/metrics")).text
         assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 1
         assert (await client.get("/health")).json()["pending"] == 0
+
+    run(scenario)
+
+
+def test_a_decode_answer_the_proxy_cannot_read_ends_the_request_and_prefill_hears_no_targets_come() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        async def odd(request: httpx.Request) -> httpx.Response:
+            answer = await engines(request)
+            if request.url.host == "decode" and request.method == "POST":
+                body = answer.json()
+                body["choices"][0]["token_ids"] = 5  # not a list: merging it raises TypeError
+                return httpx.Response(200, json=body)
+            return answer
+
+        proxy = client._transport.public.app.state.proxy  # type: ignore[attr-defined]
+        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(odd))
+        from rd2h.proxy.first_flow import first_token_answer
+
+        with pytest.raises(TypeError):
+            await first_token_answer(proxy, "/v1/completions", {**GREEDY, "return_token_ids": True},
+                                     {"x-request-id": "r"}, time.monotonic())  # fmt: skip
+        assert (await client.get("/health")).json()["pending"] == 0
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        assert record["status"] == 500 and "TypeError" in record["error"]
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_errors_total{kind="proxy_failed"}') == 1
+        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 1
 
     run(scenario)
