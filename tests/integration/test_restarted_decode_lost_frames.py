@@ -18,15 +18,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
+from layers import layer_tensors
 from prefill_kit import BLOCK, MemoryNamed, memory_listener, memory_source
 
 from rd2h import plugins
 from rd2h.clock import monotonic
 from rd2h.decode.sink import Sink
 from rd2h.prefill.source import Source
-from rd2h.tensors import LayerTensors, host_buffer, layer_layout
+from rd2h.tensors import LayerTensors, layer_layout
 from rd2h.wire import protocol
 from rd2h.wire.endpoint import DecodeEndpoint
 
@@ -61,20 +61,11 @@ class _LossyDialer(MemoryNamed):
             assert self._tried.wait_for(lambda: self.attempts >= count, 30), self.attempts
 
 
-def _tensors(fill: bool, seed: int) -> LayerTensors:
-    main, indexer = host_buffer((POOL, 64)), host_buffer((POOL, 16))
-    if fill:
-        rng = np.random.default_rng(seed)
-        main[:] = rng.integers(1, 255, main.shape, dtype=np.uint8)
-        indexer[:] = rng.integers(1, 255, indexer.shape, dtype=np.uint8)
-    return LayerTensors(main=[main], indexer=indexer)
-
-
 class _Decode:
     """A real Sink on the memory channel, its loop running."""
 
     def __init__(self, port: int) -> None:
-        self.dst = {n: _tensors(False, 0) for n in NAMES}
+        self.dst = {n: layer_tensors(False, blocks=POOL) for n in NAMES}
         self.endpoint = DecodeEndpoint("127.0.0.1", port, 1)
         self.sink = Sink(
             rank=0, tp_size=1, engine=plugins.load_engine("local", "decode"), listener=memory_listener(port),
@@ -91,7 +82,7 @@ class _Decode:
 
 @pytest.fixture
 def prefill() -> Iterator[tuple[Source, _LossyDialer, dict[str, LayerTensors]]]:
-    src = {n: _tensors(True, i + 1) for i, n in enumerate(NAMES)}
+    src = {n: layer_tensors(True, i + 1, blocks=POOL) for i, n in enumerate(NAMES)}
     dialer = _LossyDialer()
     source = memory_source(src, monotonic, dialer, reuse_slots=False)  # vLLM's paged cache: no slot gate
     try:

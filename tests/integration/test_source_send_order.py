@@ -18,8 +18,8 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
+from layers import layer_tensors
 from prefill_kit import BLOCK, MemoryNamed, memory_listener
 
 from rd2h import plugins
@@ -27,7 +27,7 @@ from rd2h.clock import monotonic
 from rd2h.decode.sink import Sink
 from rd2h.errors import ChannelError
 from rd2h.prefill.source import Source
-from rd2h.tensors import LayerTensors, host_buffer, layer_layout
+from rd2h.tensors import LayerTensors, layer_layout
 from rd2h.wire import protocol
 from rd2h.wire.endpoint import DecodeEndpoint
 
@@ -109,17 +109,8 @@ class _WatchedTurn:
         self._lock.release()
 
 
-def _tensors(fill: bool, seed: int) -> LayerTensors:
-    main, indexer = host_buffer((POOL, 64)), host_buffer((POOL, 16))
-    if fill:
-        rng = np.random.default_rng(seed)
-        main[:] = rng.integers(1, 255, main.shape, dtype=np.uint8)
-        indexer[:] = rng.integers(1, 255, indexer.shape, dtype=np.uint8)
-    return LayerTensors(main=[main], indexer=indexer)
-
-
 def _sink(port: int) -> tuple[Sink, dict[str, LayerTensors]]:
-    dst = {n: _tensors(False, 0) for n in NAMES}
+    dst = {n: layer_tensors(False, blocks=POOL) for n in NAMES}
     sink = Sink(
         rank=0, tp_size=1, engine=plugins.load_engine("local", "decode"), listener=memory_listener(port),
         layers={n: layer_layout(t) for n, t in dst.items()},
@@ -131,7 +122,7 @@ def _sink(port: int) -> tuple[Sink, dict[str, LayerTensors]]:
 def restarted(kv_port: int) -> Iterator[tuple[Source, _Dialer, Sink, dict[str, LayerTensors], dict[str, LayerTensors]]]:
     """A Source introduced to a Decode that then restarted on the same address (it knows no
     Prefill): the Source, its dialer, the new Sink and both sides' tensors."""
-    src = {n: _tensors(True, i + 1) for i, n in enumerate(NAMES)}
+    src = {n: layer_tensors(True, i + 1, blocks=POOL) for i, n in enumerate(NAMES)}
     dialer = _Dialer()
     source = Source(
         rank=0, tp_size=1, engine=plugins.load_engine("local", "prefill"), dialer=dialer,
