@@ -4,10 +4,11 @@
 
 Two parts, each interleaved round by round (the order flips every round):
 
-- ``socket ping-pong``: a plain TCP socket on loopback between this process and a child, one
-  small message each way, both ends either **blocking** in ``recv`` (the kernel wakes them) or
-  **spinning** on a non-blocking ``recv``. p50 wall time and CPU of this end per round trip:
-  the difference is the wake-up (on a VM, a halted vCPU run again by the host).
+- ``socket ping-pong``: ``bench/pingpong.py``'s plain TCP socket on loopback between this
+  process and a child, one small msgpack message each way, both ends either **blocking** in
+  ``recv`` (the kernel wakes them) or **spinning** on a non-blocking ``recv``. p50 wall time
+  and CPU of this end per round trip: the difference is the wake-up (on a VM, a halted vCPU
+  run again by the host).
 - ``demo CPU``: ``rd2h demo`` over tcp with one-block layers through one slot, with
   ``busy_poll_us`` 0 and N (``--busy-poll-us``, 300), each at ``--layers`` and at 256 layers;
   the CPU of both processes (``RUSAGE_CHILDREN``) and wall time per extra layer, and the
@@ -20,9 +21,7 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,60 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import pingpong
 from end_to_end import TINY, demo
-
-_MESSAGE = b"r" * 40
-
-
-def _serve(port: int, spin: bool) -> None:
-    with socket.socket() as server:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", port))
-        server.listen(1)
-        print("ready", flush=True)
-        conn, _ = server.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.setblocking(not spin)
-        buf = bytearray(4096)
-        while True:
-            try:
-                n = conn.recv_into(buf)
-            except BlockingIOError:
-                continue
-            if not n:
-                return
-            conn.sendall(bytes(buf[:n]))
-
-
-def pingpong(spin: bool, messages: int) -> dict[str, float]:
-    """p50 wall and this end's CPU per round trip, both ends blocking or both spinning."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(int(spin))],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setblocking(not spin)
-            buf = bytearray(4096)
-            times = []
-            cpu = time.process_time()
-            for _ in range(messages):
-                started = time.perf_counter()
-                sock.sendall(_MESSAGE)
-                got = 0
-                while got < len(_MESSAGE):
-                    try:
-                        got += sock.recv_into(buf)
-                    except BlockingIOError:
-                        continue
-                times.append(time.perf_counter() - started)
-            cpu = time.process_time() - cpu
-    finally:
-        child.wait(timeout=10)
-    return {"p50_us": statistics.median(times) * 1e6, "cpu_us": cpu / messages * 1e6}
 
 
 def _children_cpu() -> float:
@@ -106,7 +53,7 @@ def run(rounds: int, messages: int, layers: int, busy_poll_us: int) -> dict[str,
     for n in range(rounds):
         row: dict[str, Any] = {"load": os.getloadavg()[0]}
         for spin in ((False, True) if n % 2 == 0 else (True, False)):
-            row["spinning" if spin else "blocking"] = pingpong(spin, messages)
+            row["spinning" if spin else "blocking"] = pingpong.measure_socket(messages, spin)
         for bp in ((0, busy_poll_us) if n % 2 == 0 else (busy_poll_us, 0)):
             for count in (256, layers):
                 port += 2
@@ -139,11 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4352)
     parser.add_argument("--busy-poll-us", type=int, default=300)
     parser.add_argument("--json")
-    parser.add_argument("--serve", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.serve:
-        _serve(args.serve[0], bool(args.serve[1]))
-        return 0
     if args.layers <= 256:
         parser.error("--layers must be above 256 (the short run whose cost is taken away)")
     out = run(args.rounds, args.messages, args.layers, args.busy_poll_us)

@@ -10,7 +10,9 @@ msgpack. Two transports:
   trip's p50 is what a tiny layer of ``rd2h demo`` (layer announced -> Decode replied) is held
   against (``bench/end_to_end.py``, ``bench/control_channel.py``);
 - ``socket``: a plain blocking TCP socket each side, a 4-byte length before each message (what
-  the ``tcp`` channel puts on the wire, without its greeting, poll or bookkeeping).
+  the ``tcp`` channel puts on the wire, without its greeting, poll or bookkeeping). With
+  ``spin`` both ends poll a non-blocking socket instead of sleeping in ``recv``
+  (``bench/busy_poll.py`` holds the two against each other).
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ def _serve_zmq(port: int) -> None:
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = sock.recv(size)
+    data = b""
     while len(data) < size:
-        more = sock.recv(size - len(data))
+        try:
+            more = sock.recv(size - len(data))
+        except BlockingIOError:  # a spinning end's non-blocking socket: look again at once
+            continue
         if not more:
             raise ConnectionError("peer closed")
         data += more
@@ -66,7 +71,7 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(_HEADER.pack(len(payload)) + payload)
 
 
-def _serve_socket(port: int) -> None:
+def _serve_socket(port: int, spin: bool = False) -> None:
     with socket.socket() as server:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", port))
@@ -75,6 +80,7 @@ def _serve_socket(port: int) -> None:
         conn, _ = server.accept()
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setblocking(not spin)
             while True:
                 message = msgpack.unpackb(_recv_frame(conn))
                 if message[0] == b"exit":
@@ -122,18 +128,24 @@ def measure(rounds: int) -> dict[str, float]:
     return _percentiles(times, rounds)
 
 
-def measure_socket(rounds: int) -> dict[str, float]:
-    """The same over a plain TCP socket with length-prefixed frames."""
+def measure_socket(rounds: int, spin: bool = False) -> dict[str, float]:
+    """The same over a plain TCP socket with length-prefixed frames, both ends sleeping in
+    ``recv`` or, with ``spin``, both polling; ``cpu_us``: this process's CPU per round trip."""
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, __file__, "--serve-socket", str(port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--serve-socket", str(port), *(["--spin"] if spin else [])],
+        stdout=subprocess.PIPE, text=True,
     )
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if spin:
+                sock.setblocking(False)
             times = np.empty(rounds)
             for i in range(-100, rounds):
+                if i == 0:
+                    cpu = time.process_time()
                 started = time.perf_counter()
                 _send_frame(sock, msgpack.packb([*_READY[:1], i, *_READY[2:]]))
                 reply = msgpack.unpackb(_recv_frame(sock))
@@ -141,10 +153,11 @@ def measure_socket(rounds: int) -> dict[str, float]:
                     raise AssertionError(f"reply for layer {reply[1]}, expected {i}")
                 if i >= 0:
                     times[i] = time.perf_counter() - started
+            cpu = time.process_time() - cpu
             _send_frame(sock, msgpack.packb([b"exit"]))
     finally:
         server.wait(timeout=10)
-    return _percentiles(times, rounds)
+    return {**_percentiles(times, rounds), "cpu_us": cpu / rounds * 1e6}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-socket", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--spin", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         _serve_zmq(args.serve)
         return 0
     if args.serve_socket:
-        _serve_socket(args.serve_socket)
+        _serve_socket(args.serve_socket, args.spin)
         return 0
     results = {"zmq": measure(args.rounds), "socket": measure_socket(args.rounds)}
     for kind, result in results.items():
