@@ -47,7 +47,7 @@ from rd2h.wire.endpoint import DecodeEndpoint
 
 __all__ = [
     "PARAMS_KEY", "MAX_CHILDREN", "Target", "ext_id", "prompt_index", "sample_index",
-    "decode_fields", "prefill_fields", "accept_decode", "accept_prefill",
+    "decode_fields", "prefill_fields", "accept_prefill",
     "accept_decode_leg", "decode_tail", "Later", "later_fields", "accept_later", "accept_prefill_leg", "targets_ask", "accept_targets_ask", "accept_late", "MAX_WAIT",
 ]  # fmt: skip
 
@@ -154,13 +154,9 @@ def prefill_fields(
 # -- the engines -------------------------------------------------------------------------------
 
 
-def accept_decode(secret: bytes, raw: object, req_id: str, now: float) -> tuple[str, int, int]:
-    """Decode: ``(ext id, prompt, sample)`` of engine request ``req_id``; ValueError otherwise."""
-    return accept_decode_leg(secret, raw, req_id, now)[:3]
-
-
 def accept_decode_leg(secret: bytes, raw: object, req_id: str, now: float) -> tuple[str, int, int, int]:
-    """Decode: ``(ext id, prompt, sample, tail)``; ``tail`` (0 or 1, one prompt of one sample
+    """Decode: ``(ext id, prompt, sample, tail)`` of engine request ``req_id``, ValueError
+    otherwise; ``tail`` (0 or 1, one prompt of one sample
     only): the prompt's last tokens Prefill did not compute, which Decode computes itself."""
     fields, rid, prompts, samples = _checked(secret, raw, now, "decode")
     prompt, sample = prompt_index(req_id, prompts), sample_index(req_id, samples)
