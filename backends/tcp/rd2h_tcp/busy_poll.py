@@ -28,10 +28,12 @@ _yield = getattr(os, "sched_yield", lambda: None)
 
 def poll_briefly(poll_now: Callable[[], list[T]], until: float) -> list[T]:
     """Call ``poll_now`` (a poll with timeout 0) until it reports something or the monotonic
-    clock passes ``until``; return what it reported last (empty: nothing came, sleep now)."""
+    clock passes ``until`` (at once where it already has: no call); return what it reported
+    (empty: nothing came, sleep now)."""
     clock = time.monotonic
-    while True:
+    while clock() < until:
         events = poll_now()
-        if events or clock() >= until:
+        if events:
             return events
         _yield()
+    return []

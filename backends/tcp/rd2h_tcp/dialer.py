@@ -175,8 +175,7 @@ class TcpDialer(Dialer):
                         self._poller.register(fd, _POLL_IN)
                 poller = self._poller
             events: list[tuple[int, int]] = []
-            if self._busy_poll and min(self._busy_until, deadline) > time.monotonic():
-                # a reply to what was just sent is likely microseconds away: wait for it awake
+            if self._busy_poll:  # a reply to what was just sent is likely microseconds away: wait for it awake
                 events = poll_briefly(functools.partial(poller.poll, 0), min(self._busy_until, deadline))
             if not events:
                 left = deadline - time.monotonic()

@@ -153,7 +153,7 @@ class TcpListener(Listener):
         deadline = time.monotonic() + max(0.0, timeout)
         wait = max(0.0, timeout)
         found: list[tuple[int, int]] = []
-        if self._busy_poll and min(self._busy_until, deadline) > time.monotonic():
+        if self._busy_poll:  # awake until busy_poll after the last frame (none since: at once)
             found = poll_briefly(self._poll_now, min(self._busy_until, deadline))
             wait = max(0.0, deadline - time.monotonic())
         while True:
