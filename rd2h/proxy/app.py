@@ -48,7 +48,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
+from rd2h.proxy.bodies import Refused, error_body, error_event, parse_body, prefill_body, read_limited, shape_of
 from rd2h.proxy.early import all_heard, leg_unless_nothing, nothing_to_prefill, prefill_owes
 from rd2h.proxy.failures import (
     EngineError,
@@ -56,6 +56,7 @@ from rd2h.proxy.failures import (
     PrefillFailed,
     RendezvousTimeout,
     cancel,
+    error_answer,
     failure,
     refused,
     settle,
@@ -303,9 +304,8 @@ class Proxy:
                     raise
                 response = await self.recompute(pending, path, body, exc)
         except EngineError as exc:
-            status = 503 if isinstance(exc, NoInstance) else 502
-            self.finish(pending, status, str(exc), kind=exc.kind)
-            return JSONResponse(error_body(str(exc), "rd2h_proxy_error", status), status, headers=answer_headers)
+            self.finish(pending, exc.status, str(exc), kind=exc.kind)
+            return error_answer(str(exc), exc.status, answer_headers)
         answer_headers["content-type"] = response.headers.get("content-type", "application/json")
         if not stream:
             data = await response.aread()
@@ -404,8 +404,7 @@ class Proxy:
                             continue
                     status, error = 502, str(failed)
                     kind = getattr(failed, "kind", "engine_failed")
-                    event = error_body(error, "rd2h_proxy_error", status)
-                    yield f"data: {json.dumps(event)}\n\n".encode()  # no [DONE]: the stream failed
+                    yield error_event(error, status)  # no [DONE]: the stream failed
                     return
                 try:
                     chunk = await next_chunk
@@ -413,7 +412,7 @@ class Proxy:
                     return
                 except httpx.TransportError as exc:  # Decode died mid-stream
                     status, kind, error = 502, "decode_failed", f"Decode: {type(exc).__name__}: {exc}"
-                    yield f"data: {json.dumps(error_body(error, 'rd2h_proxy_error', status))}\n\n".encode()
+                    yield error_event(error, status)
                     return
                 if chunk and not relayed:
                     self._first_byte(pending)
@@ -490,11 +489,11 @@ class Proxy:
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
         instance = self.decode_pool.pick()
         if instance is None:
-            return JSONResponse(error_body("no decode instance is up", "rd2h_proxy_error", 503), 503)
+            return error_answer("no decode instance is up", 503)
         try:
             answer = await self.client.get(instance.url + "/v1/models", headers=headers, timeout=httpx.Timeout(
                 30.0, connect=self.config.connect_timeout))
         except httpx.TransportError as exc:
             self.decode_pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
-            return JSONResponse(error_body(f"{instance.url}: {exc}", "rd2h_proxy_error", 502), 502)
+            return error_answer(f"{instance.url}: {exc}", 502)
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))

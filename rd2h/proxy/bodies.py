@@ -11,7 +11,10 @@ from starlette.requests import Request
 
 from rd2h.vllm.params import MAX_CHILDREN
 
-__all__ = ["Refused", "children_of", "error_body", "parse_body", "prefill_body", "read_limited", "shape_of"]
+__all__ = [
+    "Refused", "children_of", "error_body", "error_event", "event", "parse_body", "prefill_body", "read_limited",
+    "shape_of",
+]  # fmt: skip
 
 
 class Refused(ValueError):
@@ -25,6 +28,16 @@ class Refused(ValueError):
 def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
     """OpenAI's error shape (what vLLM answers too): ``{"error": {message, type, param, code}}``."""
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def event(payload: Any) -> bytes:
+    """One server-sent event as vLLM streams them: ``data: <compact JSON>`` and a blank line."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+def error_event(message: str, status: int) -> bytes:
+    """The event a stream that failed after its headers ends with (no ``[DONE]`` follows)."""
+    return event(error_body(message, "rd2h_proxy_error", status))
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

@@ -11,7 +11,12 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse
 
-__all__ = ["EngineError", "NoInstance", "PrefillFailed", "RendezvousTimeout", "cancel", "failure", "refused", "settle"]
+from rd2h.proxy.bodies import error_body
+
+__all__ = [
+    "EngineError", "NoInstance", "PrefillFailed", "RendezvousTimeout", "cancel", "error_answer", "failure", "refused",
+    "settle",
+]  # fmt: skip
 
 log = logging.getLogger("rd2h.proxy")
 
@@ -20,6 +25,7 @@ class EngineError(Exception):
     """An engine failed a request (transport error after it was sent, or HTTP error)."""
 
     kind = "engine_failed"
+    status = 502  # the client's answer
 
 
 class PrefillFailed(EngineError):
@@ -36,6 +42,7 @@ class NoInstance(EngineError):
     """No instance of a role is in rotation: 503, the client may retry later."""
 
     kind = "no_instance"
+    status = 503
 
 
 def settle(future: asyncio.Future[Any], error: BaseException | None) -> None:
@@ -65,3 +72,8 @@ def refused(metrics: Any, what: str, exc: Exception) -> JSONResponse:
     log.warning("refused a %s post: %s", what, exc)
     metrics.errors.labels(f"{what}_refused").inc()
     return JSONResponse({"error": f"{what} refused: {exc}"}, status_code=403)
+
+
+def error_answer(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The client's answer when the proxy or an engine failed its request, in OpenAI's error shape."""
+    return JSONResponse(error_body(message, "rd2h_proxy_error", status), status, headers=headers)

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rd2h.proxy.bodies import error_body, prefill_body
+from rd2h.proxy.bodies import error_event, prefill_body
 from rd2h.proxy.early import prefill_owes
-from rd2h.proxy.failures import EngineError, NoInstance, PrefillFailed, RendezvousTimeout, cancel, settle
+from rd2h.proxy.failures import EngineError, PrefillFailed, RendezvousTimeout, cancel, error_answer, settle
 from rd2h.proxy.first_token import (
     First,
     StreamRewriter,
@@ -150,11 +150,10 @@ async def _prefill(proxy: Proxy, pending: _Pending, path: str, body: dict[str, A
                                   media_type=response.headers.get("content-type"))  # fmt: skip
         return first_of(response.json()), None
     except (EngineError, ValueError) as exc:
-        status = 503 if isinstance(exc, NoInstance) else 502
-        kind = exc.kind if isinstance(exc, EngineError) else "prefill_failed"
+        status, kind = (exc.status, exc.kind) if isinstance(exc, EngineError) else (502, "prefill_failed")
         proxy.finish(pending, status, f"Prefill: {exc}", kind=kind)
         proxy.metrics.first_token.labels("failed").inc()
-        return None, JSONResponse(error_body(f"Prefill: {exc}", "rd2h_proxy_error", status), status, headers=headers)
+        return None, error_answer(f"Prefill: {exc}", status, headers)
 
 
 def _first_out(proxy: Proxy, pending: _Pending) -> None:
@@ -193,10 +192,9 @@ async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, 
         try:
             response = await _decode_answer(proxy, pending, request, legs)
         except EngineError as exc:
-            status = 503 if isinstance(exc, NoInstance) else 502
             proxy.metrics.first_token.labels("failed").inc()
-            proxy.finish(pending, status, str(exc), kind=exc.kind)
-            return JSONResponse(error_body(str(exc), "rd2h_proxy_error", status), status, headers=headers)
+            proxy.finish(pending, exc.status, str(exc), kind=exc.kind)
+            return error_answer(str(exc), exc.status, headers)
         data = await response.aread()
         await response.aclose()
         pending.mark("first_byte")  # Decode had the KV whole: Prefill owes nothing more
@@ -213,7 +211,7 @@ async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, 
         except ValueError as exc:
             proxy.metrics.first_token.labels("failed").inc()
             proxy.finish(pending, 502, f"Decode: {exc}", kind="decode_failed")
-            return JSONResponse(error_body(f"Decode: {exc}", "rd2h_proxy_error", 502), 502, headers=headers)
+            return error_answer(f"Decode: {exc}", 502, headers)
         _first_out(proxy, pending)  # one body: the first token reaches the client with the rest
         proxy.metrics.first_token.labels("continued").inc()
         proxy.finish(pending, 200)
@@ -252,7 +250,7 @@ async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str,
         except EngineError as exc:
             proxy.metrics.first_token.labels("failed").inc()
             proxy.finish(pending, 502, str(exc), kind=exc.kind)
-            yield f"data: {json.dumps(error_body(str(exc), 'rd2h_proxy_error', 502))}\n\n".encode()
+            yield error_event(str(exc), 502)
             return
         if response.status_code >= 400:
             data = await response.aread()
@@ -260,7 +258,7 @@ async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str,
             proxy.metrics.first_token.labels("failed").inc()
             proxy.finish(pending, response.status_code, f"Decode answered {response.status_code}")
             message = f"Decode answered {response.status_code}: {data[:300].decode(errors='replace')}"
-            yield f"data: {json.dumps(error_body(message, 'rd2h_proxy_error', 502))}\n\n".encode()
+            yield error_event(message, 502)
             return
         relayed = True
         if first is None:

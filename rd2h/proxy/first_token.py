@@ -27,6 +27,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from rd2h.proxy.bodies import event
+
 __all__ = [
     "DEFAULT_MAX_TOKENS", "REASONS", "SAFE_FIELDS", "First", "StreamRewriter", "decode_leg", "ends_at_first",
     "first_chunks", "first_of", "merged_body", "prefill_only_body", "splits_a_character", "why_not",
@@ -192,10 +194,6 @@ def merged_body(first: First, decode: Any, body: dict[str, Any]) -> dict[str, An
     return answer
 
 
-def _event(payload: Any) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
-
-
 def first_chunks(first: First, body: dict[str, Any], *, last: bool) -> bytes:
     """The stream's first event (the first token, in one engine's chunk shape); with ``last``
     (the first token ends the request) its finish, the usage chunk asked for and ``[DONE]``."""
@@ -211,10 +209,10 @@ def first_chunks(first: First, body: dict[str, Any], *, last: bool) -> bytes:
     chunk = {**head, "object": "text_completion", "choices": [choice]}
     if isinstance(options, dict) and options.get("include_usage") and options.get("continuous_usage_stats"):
         chunk["usage"] = usage
-    out = _event(chunk)
+    out = event(chunk)
     if last:
         if isinstance(options, dict) and options.get("include_usage"):
-            out += _event({**head, "object": "text_completion", "choices": [], "usage": usage})
+            out += event({**head, "object": "text_completion", "choices": [], "usage": usage})
         out += b"data: [DONE]\n\n"
     return out
 
@@ -231,21 +229,21 @@ class StreamRewriter:
     def feed(self, raw: bytes) -> bytes:
         self._buffer += raw
         *events, self._buffer = self._buffer.split(b"\n\n")
-        return b"".join(self._rewrite(event) for event in events)
+        return b"".join(self._rewrite(one) for one in events)
 
     def flush(self) -> bytes:
         rest, self._buffer = self._buffer, b""
         return rest
 
-    def _rewrite(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: ") or event == b"data: [DONE]":
-            return event + b"\n\n"
+    def _rewrite(self, one: bytes) -> bytes:
+        if not one.startswith(b"data: ") or one == b"data: [DONE]":
+            return one + b"\n\n"
         try:
-            chunk = json.loads(event[6:])
+            chunk = json.loads(one[6:])
         except ValueError:
-            return event + b"\n\n"
+            return one + b"\n\n"
         if not isinstance(chunk, dict) or "error" in chunk:
-            return event + b"\n\n"
+            return one + b"\n\n"
         for key in ("id", "created"):
             if key in self.first.answer and key in chunk:
                 chunk[key] = self.first.answer[key]
@@ -255,4 +253,4 @@ class StreamRewriter:
                                 else c for c in choices]  # fmt: skip
         if "usage" in chunk:
             chunk["usage"] = _usage(chunk["usage"], True)
-        return _event(chunk)
+        return event(chunk)
