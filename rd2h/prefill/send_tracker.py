@@ -337,10 +337,12 @@ class SendTracker:
             return effects
         if endpoint is not None and endpoint.state in STALE:
             return self._ignore(effects, "stale")
-        if endpoint is not None and isinstance(reply, protocol.ReadFailed) and reply.needs_meta:
+        if endpoint is None or not endpoint.in_flight:  # a SILENT endpoint's readiness was abandoned
+            return self._ignore(effects, "stray")
+        if isinstance(reply, protocol.ReadFailed) and reply.needs_meta:
             return self._reintroduce(address, endpoint, reply, effects, now)
-        waiting = None if endpoint is None else endpoint.in_flight.get(reply.layer_idx)
-        if endpoint is None or not waiting:
+        waiting = endpoint.in_flight.get(reply.layer_idx)
+        if not waiting:
             return self._ignore(effects, "stray")
         sent = waiting.popleft()
         if not waiting:

@@ -701,3 +701,26 @@ def test_one_address_with_two_contributor_groups_in_a_step_fails_the_second_requ
     ready = readiness(frame)
     assert meta == META and (ready.group_member_idx, ready.tp_ratio) == (1, 2)
     assert [r.ext_req_id for r in ready.read_reqs] == ["one"]
+
+
+def test_meta_required_with_nothing_in_flight_is_stray_even_from_a_silent_endpoint() -> None:
+    """A Decode that restarted after this Prefill abandoned it (SILENT: nothing in flight) may
+    still answer META_REQUIRED; it must be absorbed, never raise out of on_reply, and change
+    no endpoint's state (the next request introduces this Prefill again anyway)."""
+    t = tracker()
+    meta_required = protocol.encode(protocol.ReadFailed.meta_required(0))
+    t.add_request("r", D0, main_block_ids=[1], num_tokens=4, now=0.0)
+    step, _ = t.schedule({"r": 4}, 0.0)
+    t.announce(step, 0, "l0", 0.0)
+    t.expire(TIMEOUT + 1.0)
+    assert t.endpoint_state(A0) is EndpointState.SILENT
+    assert t.on_reply(A0, meta_required, TIMEOUT + 2.0).ignored == "stray"
+    assert t.endpoint_state(A0) is EndpointState.SILENT
+    t.add_request("s", D1, main_block_ids=[1], num_tokens=4, now=0.0)
+    step, _ = t.schedule({"s": 4}, 0.0)
+    send_all_layers(t, step)
+    answer_all(t, A1)
+    assert t.endpoint_state(A1) is EndpointState.INTRODUCED and t.in_flight(A1) == frozenset()
+    assert t.on_reply(A1, meta_required, 9.0).ignored == "stray"  # nothing in flight to send again
+    assert t.endpoint_state(A1) is EndpointState.INTRODUCED
+    assert t.counters["stray"] == 2
