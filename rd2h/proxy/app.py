@@ -230,19 +230,13 @@ class Proxy:
         """Send the request to Prefill once: at once, its targets to be fetched (``targets_url``),
         or once every child's rendezvous is in, its targets in its fields. Either way every
         rendezvous must come within ``rendezvous_timeout``."""
-        timeout = self.config.rendezvous_timeout
-        late = RendezvousTimeout(f"Decode did not post a rendezvous within {timeout:g} s")
-        timer = asyncio.get_running_loop().call_later(timeout, settle, pending.all_in, late)
-        try:
-            if self.config.targets_url:
-                fields = later_fields(self.config.secret, pending.rid, pending.prompts, self.config.targets_url,
-                                      min(timeout, MAX_WAIT), time.time())  # fmt: skip
-                await leg_unless_nothing(pending, self._prefill_leg(pending, path, body, fields))
-            # shielded (one turn of the loop more than awaited directly): this task cancelled (Decode failed)
-            # must not cancel the future Prefill's ask waits on; finish() settles it, the ask gets 410
-            await asyncio.shield(pending.all_in)
-        finally:
-            timer.cancel()
+        if self.config.targets_url:
+            fields = later_fields(self.config.secret, pending.rid, pending.prompts, self.config.targets_url,
+                                  min(self.config.rendezvous_timeout, MAX_WAIT), time.time())  # fmt: skip
+            await leg_unless_nothing(pending, self._prefill_leg(pending, path, body, fields))
+        # shielded (one turn of the loop more than awaited directly): this task cancelled (Decode failed)
+        # must not cancel the future Prefill's ask waits on; finish() settles it, the ask gets 410
+        await asyncio.shield(pending.all_in)
         if pending.nothing:  # Decode loads nothing of any prompt: Prefill has nothing to compute for it
             return nothing_to_prefill(self, pending)
         if self.config.targets_url:  # Prefill answered before its KV went: it owes it until Decode answers
@@ -324,27 +318,33 @@ class Proxy:
                ) -> tuple[_Pending, asyncio.Task[None], asyncio.Task[httpx.Response]]:
         """Both legs of a request under way: Decode's now, Prefill's once every rendezvous is in."""
         prompts, samples = shape
-        rid = secrets.token_hex(16)  # unguessable: it names the request on both engines
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in range(prompts)]
-        record: dict[str, Any] = {"id": rid, "path": path, "x_request_id": headers["x-request-id"]}
-        if pinned:
-            record["warmup"] = True
-        pending = _Pending(rid, prompts, futures, loop.create_future(), headers, record=record, pinned=dict(pinned or {}),
-                           warmup=bool(pinned))
-        pending.started = record["t_origin"] = time.monotonic() if arrived is None else arrived  # monotonic s
-        pending.mark("begun")
-        self.pending[rid] = pending
-        self.recent.append(pending.record)
-        decode_body = dict(body)
-        decode_body["kv_transfer_params"] = {
-            "do_remote_prefill": True, "rd2h": decode_fields(self.config.secret, rid, prompts, samples, time.time()),
-        }
+        pending = self.open(path, prompts, headers, pinned=pinned, arrived=arrived)
+        decode_body = {**body, "kv_transfer_params": {"do_remote_prefill": True, "rd2h": decode_fields(
+            self.config.secret, pending.rid, prompts, samples, time.time())}}  # fmt: skip
         prefill = asyncio.create_task(self.prefill(pending, path, body))
         decode = asyncio.create_task(
             self._send(self.decode_pool, path, decode_body, stream=bool(body.get("stream")), pending=pending)
         )
         return pending, prefill, decode
+
+    def open(self, path: str, prompts: int, headers: dict[str, str], *, pinned: dict[str, Instance] | None = None,
+             arrived: float | None = None) -> _Pending:
+        """A request's state, known (its rendezvous are heard) until finish(), its ``rendezvous_timeout`` armed."""
+        rid = secrets.token_hex(16)  # unguessable: it names the request on both engines
+        loop = asyncio.get_running_loop()
+        record: dict[str, Any] = {"id": rid, "path": path, "x_request_id": headers["x-request-id"]}
+        if pinned:
+            record["warmup"] = True
+        pending = _Pending(rid, prompts, [loop.create_future() for _ in range(prompts)], loop.create_future(), headers,
+                           record=record, pinned=dict(pinned or {}), warmup=bool(pinned))  # fmt: skip
+        pending.started = record["t_origin"] = time.monotonic() if arrived is None else arrived  # monotonic s
+        pending.mark("begun")
+        self.pending[rid] = pending
+        self.recent.append(record)
+        late = RendezvousTimeout(f"Decode did not post a rendezvous within {self.config.rendezvous_timeout:g} s")
+        timer = loop.call_later(self.config.rendezvous_timeout, settle, pending.all_in, late)
+        pending.all_in.add_done_callback(lambda _: timer.cancel())  # all heard, timed out or finish()ed
+        return pending
 
     def ready(self) -> bool:  # serving: not draining, and a Prefill and a Decode in rotation (up and warm)
         return not self.draining and self.prefill_pool.any_in_rotation() and self.decode_pool.any_in_rotation()

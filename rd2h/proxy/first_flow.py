@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -34,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rd2h.proxy.bodies import error_event, prefill_body
 from rd2h.proxy.early import prefill_owes
-from rd2h.proxy.failures import EngineError, PrefillFailed, RendezvousTimeout, cancel, error_answer, settle
+from rd2h.proxy.failures import EngineError, PrefillFailed, cancel, error_answer
 from rd2h.proxy.first_token import (
     First,
     StreamRewriter,
@@ -66,24 +65,18 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
         proxy.metrics.first_token_fallbacks.labels(reason).inc()
         log.debug("first token from Prefill: not for this request (%s): the normal flow", reason)
         return None
-    pending = _begin(proxy, path, headers, arrived)
-    timeout = proxy.config.rendezvous_timeout
-    late = RendezvousTimeout(f"Decode did not post a rendezvous within {timeout:g} s")
-    timer = asyncio.get_running_loop().call_later(timeout, settle, pending.all_in, late)
+    pending = proxy.open(path, 1, headers, arrived=arrived)  # its rendezvous timeout armed
     answer_headers = {"x-request-id": headers["x-request-id"]}
     try:
         first, failed = await _prefill(proxy, pending, path, body)
     except BaseException:
-        timer.cancel()
         proxy.finish(pending, 499, "the client went away", kind="cancelled")
         raise
     if failed is not None:
-        timer.cancel()
         return failed
     assert first is not None
     stream = bool(body.get("stream"))
     if ends_at_first(first, body):
-        timer.cancel()
         pending.record["first_token"] = "ended_at_first"
         proxy.metrics.first_token.labels("ended_at_first").inc()
         _first_out(proxy, pending)
@@ -105,26 +98,9 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     owes = asyncio.create_task(_owes(pending))
     decode = asyncio.create_task(proxy._send(proxy.decode_pool, path, decode_body, stream=stream, pending=pending))
     if stream:
-        return StreamingResponse(_stream(proxy, pending, (path, leg), ours, body, (decode, owes), timer),
+        return StreamingResponse(_stream(proxy, pending, (path, leg), ours, body, (decode, owes)),
                                  media_type="text/event-stream", headers=answer_headers)  # fmt: skip
-    try:
-        return await _whole(proxy, pending, (path, leg), ours, body, (decode, owes), answer_headers)
-    finally:
-        timer.cancel()
-
-
-def _begin(proxy: Proxy, path: str, headers: dict[str, str], arrived: float) -> _Pending:
-    from rd2h.proxy.app import _Pending
-
-    rid = secrets.token_hex(16)
-    loop = asyncio.get_running_loop()
-    record: dict[str, Any] = {"id": rid, "path": path, "x_request_id": headers["x-request-id"], "t_origin": arrived}
-    pending = _Pending(rid, 1, [loop.create_future()], loop.create_future(), headers, record=record)
-    pending.started = arrived
-    pending.mark("begun")
-    proxy.pending[rid] = pending
-    proxy.recent.append(record)
-    return pending
+    return await _whole(proxy, pending, (path, leg), ours, body, (decode, owes), answer_headers)
 
 
 async def _prefill(proxy: Proxy, pending: _Pending, path: str, body: dict[str, Any],
@@ -236,7 +212,7 @@ async def _once(chunk: bytes) -> AsyncIterator[bytes]:
 
 async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]], first: First | None,
                   body: dict[str, Any], legs: tuple[asyncio.Task[httpx.Response], asyncio.Task[None]],
-                  timer: asyncio.TimerHandle) -> AsyncIterator[bytes]:
+                  ) -> AsyncIterator[bytes]:
     """A streamed request: the first token at once, then Decode's stream rewritten as the rest
     (``first`` None: Decode's stream as it is)."""
     decode, owes = legs
@@ -275,7 +251,6 @@ async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str,
         if rest:
             yield rest
     finally:
-        timer.cancel()
         if not relayed:
             for task in legs:
                 if not task.done():
