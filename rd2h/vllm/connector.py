@@ -335,15 +335,18 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _signed_prefill(self, request: Any) -> bool | str:
         """``request`` carries Prefill params the scheduler accepts (signed by the proxy, for
         this leg and this request, in date), with their targets or targets to come: True, or
-        ``"first_token"`` where its sampled token is the client's first token."""
+        ``"first_token"`` where its sampled token is the client's first token; False for none."""
         params = getattr(request, "kv_transfer_params", None) or {}
         if not (isinstance(params, dict) and params.get("do_remote_decode") and PARAMS_KEY in params):
             return False
         try:
-            _, later = accept_prefill_leg(self._secret, params[PARAMS_KEY], request.request_id, self.scheduler._clock())
+            targets, later = accept_prefill_leg(self._secret, params[PARAMS_KEY], request.request_id,
+                                                self.scheduler._clock())  # fmt: skip
         except ValueError:
             return False
-        return "first_token" if later is not None and later.first else True
+        if later is None:
+            return bool(targets)  # none: Decode loads nothing of it, no state to continue from
+        return "first_token" if later.first else True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:

@@ -65,6 +65,8 @@ class LateSends:
         except ValueError as exc:  # computed as asked, nothing sent
             self._refuse(req_id, str(exc))
             return
+        if not targets and later is None:  # Decode loads nothing of this prompt: computed, nothing to track
+            return
         taken = [t.ext_id for t in targets if t.ext_id in self._sending]
         if taken:
             self._refuse(req_id, f"id {taken[0]} is already sent by live request {self._sending[taken[0]]}")

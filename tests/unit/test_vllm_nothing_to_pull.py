@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 from test_vllm_hybrid_groups import hybrid_scheduler, model  # noqa: F401 - the model fixture
-from test_vllm_scheduler import decode_params, ext
-from vllm_kit import BLOCK, SECRET, Posts, make_request, record_posts
+from test_vllm_mamba_state import state_scheduler
+from test_vllm_scheduler import decode_params, ext, hexid, meta_of
+from vllm_kit import BLOCK, SECRET, Posts, make_request, make_scheduler, record_posts, runner_output
 
 from rd2h.vllm.params import accept_late, accept_later, accept_prefill, later_fields, prefill_fields
 from rd2h.vllm.stats import LOCAL_REASONS
@@ -92,4 +93,38 @@ def test_the_ids_said_to_load_nothing_are_remembered_up_to_a_bound(model: Path) 
     assert len(ours._said_nothing) == _REMEMBERED  # bounded: the oldest went first
     assert not ours._told_nothing("e0") and ours._told_nothing("e1") and ours._told_nothing(f"e{_REMEMBERED}")
     assert ours.stats["nothing_to_pull"] == _REMEMBERED + 1
+    scheduler.connector.shutdown()
+
+
+def _nowhere(rid: str) -> dict:
+    """Prefill's leg of prompt 0 of two, which Decode loads nothing of (its target list is empty)."""
+    targets = {0: [], 1: [{"endpoint": "127.0.0.1:5600/1", "first_block": 0}]}
+    return {"do_remote_decode": True, "rd2h": prefill_fields(SECRET, hexid(rid), 2, 1, targets, time.time())}
+
+
+def test_a_prefill_leg_sent_nowhere_is_computed_untracked_and_its_blocks_freed(model: Path) -> None:  # noqa: F811
+    """Nothing will read its blocks: the scheduler keeps no send for it (no per-step gathering of
+    its block ids), refuses nothing and vLLM frees its blocks when it finishes."""
+    scheduler, _ = make_scheduler(model, "kv_producer")
+    ours = scheduler.connector.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    req = "cmpl-nw-0-abcdef12"
+    scheduler.add_request(make_request(req, 40, _nowhere("nw"), max_tokens=1))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {req: 40} and not meta_of(out).send_new
+    assert req not in ours._send and ours.stats["refused_params"] == 0
+    scheduler.update_from_output(out, runner_output(out, sampled={req: 7}))
+    assert req not in scheduler.requests and pool.get_num_free_blocks() == free  # nothing held
+    scheduler.connector.shutdown()
+
+
+def test_a_mamba_prefill_leg_sent_nowhere_keeps_its_prompt_whole(tmp_path: Path) -> None:
+    """Its prompt is cut only for a state Decode continues from: none here, so computed as sent."""
+    from vllm_kit import write_model
+
+    scheduler = state_scheduler(write_model(tmp_path / "mamba"), "kv_producer")
+    request = make_request("cmpl-nm-0-abcdef12", 50, _nowhere("nm"), max_tokens=1)
+    scheduler.add_request(request)
+    assert request.num_prompt_tokens == 50 == len(request.prompt_token_ids)
     scheduler.connector.shutdown()
