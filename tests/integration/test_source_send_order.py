@@ -128,9 +128,7 @@ def restarted(kv_port: int) -> Iterator[tuple[Source, _Dialer, Sink, dict[str, L
         rank=0, tp_size=1, engine=plugins.load_engine("local", "prefill"), dialer=dialer,
         layers={n: layer_layout(t) for n, t in src.items()}, block_size=BLOCK, clock=monotonic, reuse_slots=False,
     )
-    sends = getattr(source, "_sends", None)
-    if sends is not None:  # the Source orders its writes by turns: watch who waits for one
-        sends.turn = _WatchedTurn(dialer)
+    source._sends.turn = _WatchedTurn(dialer)  # the Source orders its writes by turns: watch who waits for one
     source.start()
     first, _ = _sink(kv_port)
     try:
