@@ -19,12 +19,9 @@ def mla_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm_cluster import Cluster, tiny_model
 
     out = tiny_model(tmp_path_factory.mktemp("mla") / "tiny-mla", TINY_ARCH="mla")
-    cluster = Cluster(out, tmp_path_factory.mktemp("mla-cluster"))
-    try:
+    with Cluster(out, tmp_path_factory.mktemp("mla-cluster")) as cluster:
         cluster.ensure()
         yield cluster
-    finally:
-        cluster.close()
 
 
 def top_logprobs(url: str, prompt: str) -> list[dict[str, float]]:

@@ -42,12 +42,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm_cluster import Cluster
 
-    cluster = Cluster(model, tmp_path_factory.mktemp("cluster"))
-    try:
+    with Cluster(model, tmp_path_factory.mktemp("cluster")) as cluster:
         cluster.ensure()
         yield cluster
-    finally:
-        cluster.close()
 
 
 def complete(url: str, prompts: list[str] | str, *, max_tokens: int = 16, timeout: float = 120) -> list[list[int]]:
