@@ -134,10 +134,9 @@ def targets_url(args: argparse.Namespace, rendezvous_port: int, path: str, *, fl
     the internal listener as the engines reach it: ``--internal-url``, or the rendezvous host, a
     wildcard replaced by this host's name); None without it. ConfigError: ``--internal-url``
     without either option, which would do nothing."""
-    if not getattr(args, flag, False):
-        if args.internal_url is not None and not (args.prefill_at_once or getattr(args, "first_token_from_prefill",
-                                                                                  False)):  # fmt: skip
-            raise ConfigError("--internal-url is used only with --prefill-at-once or --first-token-from-prefill")
+    if args.internal_url is not None and not (args.prefill_at_once or args.first_token_from_prefill):
+        raise ConfigError("--internal-url is used only with --prefill-at-once or --first-token-from-prefill")
+    if not getattr(args, flag):
         return None
     host = args.rendezvous_host
     if host in ("0.0.0.0", "::", ""):
