@@ -134,8 +134,7 @@ async def _prefill(proxy: Proxy, pending: _Pending, path: str, body: dict[str, A
 
 def _first_out(proxy: Proxy, pending: _Pending) -> None:
     pending.mark("first_token_out")
-    if not pending.warmup:
-        proxy.metrics.first_token_seconds.observe(time.monotonic() - pending.started)
+    proxy.metrics.first_token_seconds.observe(time.monotonic() - pending.started)  # never a warm-up
 
 
 async def _owes(pending: _Pending) -> None:

@@ -152,9 +152,9 @@ def _wants_ids(body: dict[str, Any]) -> bool:
     return bool(body.get("return_token_ids"))
 
 
-def _usage(usage: Any, first: bool) -> Any:
+def _usage(usage: Any) -> Any:
     """Decode's usage as one engine's: its prompt was one token longer, its completion one shorter."""
-    if not isinstance(usage, dict) or not first:
+    if not isinstance(usage, dict):
         return usage
     fixed = dict(usage)
     if isinstance(fixed.get("prompt_tokens"), int):
@@ -190,7 +190,7 @@ def merged_body(first: First, decode: Any, body: dict[str, Any]) -> dict[str, An
         choice.update(prompt_token_ids=first.prompt_ids, token_ids=[first.token_id, *(choice.get("token_ids") or ())])
     answer["choices"] = [choice]
     if "usage" in answer:
-        answer["usage"] = _usage(answer["usage"], True)
+        answer["usage"] = _usage(answer["usage"])
     return answer
 
 
@@ -252,5 +252,5 @@ class StreamRewriter:
             chunk["choices"] = [{**c, "prompt_token_ids": None} if isinstance(c, dict) and c.get("prompt_token_ids")
                                 else c for c in choices]  # fmt: skip
         if "usage" in chunk:
-            chunk["usage"] = _usage(chunk["usage"], True)
+            chunk["usage"] = _usage(chunk["usage"])
         return event(chunk)
