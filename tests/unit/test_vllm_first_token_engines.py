@@ -26,11 +26,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("llama"))
 
 
-@pytest.fixture(scope="module")
-def mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model(tmp_path_factory.mktemp("mamba"))
-
-
 def params(rid: str, tail: int = 0, prompts: int = 1) -> dict[str, Any]:
     return {"do_remote_prefill": True, "rd2h": decode_fields(SECRET, hexid(rid), prompts, 1, time.time(), tail=tail)}
 
@@ -82,8 +77,8 @@ def test_tail_with_several_kv_cache_groups_is_refused_and_computed_here(model: P
     scheduler.connector.shutdown()
 
 
-def test_a_mamba_prefill_asked_for_its_first_token_computes_the_prompt_whole_and_sends_nothing(mamba: Path) -> None:
-    scheduler = state_scheduler(mamba, "kv_producer")
+def test_a_mamba_prefill_asked_for_its_first_token_computes_the_prompt_whole_and_sends_nothing(model: Path) -> None:
+    scheduler = state_scheduler(model, "kv_producer")  # the same model files: the specs give its state group
     fields = later_fields(SECRET, hexid("f"), 1, "http://proxy/v1/rd2h/targets", 5.0, time.time(), first=True)
     request = make_request("cmpl-f-0-abcdef12", 50, {"do_remote_decode": True, "rd2h": fields}, max_tokens=1)
     scheduler.add_request(request)

@@ -67,7 +67,6 @@ def hybrid_scheduler(model: Path, role: str, *, batched: int = 512) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-
     load_general_plugins()
     config = vllm_config(model, role, batched=batched)
     kv = kv_cache_config(config)

@@ -74,7 +74,6 @@ def state_scheduler(model: Path, role: str) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-
     load_general_plugins()
     config = config_for(model, role)
     config.scheduler_config.max_num_batched_tokens = 128  # chunked prefill past 128 tokens
