@@ -84,7 +84,6 @@ def test_an_ask_not_signed_with_the_secret_is_refused() -> None:
     run(scenario, targets_url=URL)
 
 
-
 def test_the_cli_names_prefill_the_internal_listener_only_with_prefill_at_once() -> None:
     import argparse
     import socket

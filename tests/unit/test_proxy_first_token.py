@@ -243,6 +243,22 @@ def metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+def engines_as(client: httpx.AsyncClient, handler: Any) -> Any:
+    """The proxy behind ``client``, its engines now ``handler`` (which may hand on to the test's Engines)."""
+    proxy = client._transport.public.app.state.proxy  # type: ignore[attr-defined]
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return proxy
+
+
+async def assert_ended(client: httpx.AsyncClient, engines: Engines, outcome: str) -> None:
+    """The request ended, counted under ``outcome``, nothing pending, and Prefill's ask for targets
+    refused: 410 if it came first, 404 after the request ended; either frees its blocks (rd2h.vllm.later)."""
+    assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)
+    scrape = (await client.get("/metrics")).text
+    assert metric(scrape, f'rd2h_proxy_first_token_requests_total{{outcome="{outcome}"}}') == 1
+    assert (await client.get("/health")).json()["pending"] == 0
+
+
 def test_a_greedy_request_gets_prefills_token_then_decodes_and_prefill_its_targets() -> None:
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
         answer = await client.post("/v1/completions", json={**GREEDY, "return_token_ids": True,
@@ -305,11 +321,7 @@ def test_a_first_token_that_ends_the_request_is_the_answer_and_prefill_hears_no_
                 finish, "[DONE]"]  # fmt: skip
         else:
             assert answer.json()["choices"][0]["text"] == "A" and answer.json()["choices"][0]["token_ids"] is None
-        # 410 if the ask came first, 404 after the request ended: either frees Prefill's blocks (rd2h.vllm.later)
-        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)
-        scrape = (await client.get("/metrics")).text
-        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="ended_at_first"}') == 1
-        assert (await client.get("/health")).json()["pending"] == 0
+        await assert_ended(client, engines, "ended_at_first")
 
     run(scenario)
 
@@ -339,8 +351,7 @@ def test_a_prefill_that_fails_its_leg_is_a_502_and_decode_never_hears_of_it() ->
                 return httpx.Response(200, json={"choices": [{"index": 0, "text": "A"}]})  # no token ids
             return await engines(request)
 
-        client_of = client._transport.public.app.state.proxy  # type: ignore[attr-defined]
-        client_of.client = httpx.AsyncClient(transport=httpx.MockTransport(broken))
+        engines_as(client, broken)
         answer = await client.post("/v1/completions", json=GREEDY)
         assert answer.status_code == 502 and "prompt_token_ids" in answer.text and engines.decode_bodies == []
         assert (await client.get("/health")).json()["pending"] == 0
@@ -375,9 +386,8 @@ def test_a_first_token_that_is_part_of_a_character_lets_decode_generate_every_to
         engines.text = text
         answer = await client.post("/v1/completions", json={**GREEDY, "stream": stream})
         assert answer.status_code == 200
-        texts = [e["choices"][0]["text"] for e in events(answer.content)[:-1]] if stream else [
-            answer.json()["choices"][0]["text"]]  # fmt: skip
-        assert "".join(texts) == "BCD" and answer.json()["id"] == "cmpl-d" if not stream else "".join(texts) == "BCD"
+        got = events(answer.content)[:-1] if stream else [answer.json()]
+        assert "".join(e["choices"][0]["text"] for e in got) == "BCD" and {e["id"] for e in got} == {"cmpl-d"}
         (decode,) = engines.decode_bodies
         assert decode["prompt"] == "hello" and decode["max_tokens"] == 4
         assert accept_decode_leg(SECRET, decode["kv_transfer_params"]["rd2h"], "cmpl-x", time.time())[3] == 0
@@ -397,8 +407,7 @@ def test_a_decode_that_fails_after_the_first_token_ends_the_request_with_an_erro
                 return httpx.Response(500, json={"error": {"message": "boom"}})
             return await engines(request)
 
-        client._transport.public.app.state.proxy.client = httpx.AsyncClient(  # type: ignore[attr-defined]
-            transport=httpx.MockTransport(failing))
+        engines_as(client, failing)
         answer = await client.post("/v1/completions", json={**GREEDY, "stream": stream})
         if stream:  # the first token went out with the headers: an error event follows, no [DONE]
             got = events(answer.content)
@@ -406,10 +415,7 @@ def test_a_decode_that_fails_after_the_first_token_ends_the_request_with_an_erro
             assert "Decode answered 500" in got[-1]["error"]["message"]
         else:
             assert answer.status_code == 500 and "boom" in answer.text
-        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)  # Prefill frees its blocks
-        scrape = (await client.get("/metrics")).text
-        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 1
-        assert (await client.get("/health")).json()["pending"] == 0
+        await assert_ended(client, engines, "failed")
 
     run(scenario)
 
@@ -421,13 +427,11 @@ def test_no_rendezvous_in_time_fails_the_request_after_its_first_token() -> None
                 await asyncio.Event().wait()  # never posts, never answers
             return await engines(request)
 
-        client._transport.public.app.state.proxy.client = httpx.AsyncClient(  # type: ignore[attr-defined]
-            transport=httpx.MockTransport(silent))
+        engines_as(client, silent)
         answer = await client.post("/v1/completions", json={**GREEDY, "stream": True})
         got = events(answer.content)
         assert got[0]["choices"][0]["text"] == "A" and "did not post a rendezvous" in got[-1]["error"]["message"]
-        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)
-        assert (await client.get("/health")).json()["pending"] == 0
+        await assert_ended(client, engines, "failed")
 
     run(scenario, rendezvous_timeout=0.2)
 
@@ -444,8 +448,7 @@ def test_a_client_gone_before_decode_answered_ends_the_request_and_prefill_hears
                 await asyncio.Event().wait()  # never posts, never answers
             return await engines(request)
 
-        proxy = client._transport.public.app.state.proxy  # type: ignore[attr-defined]
-        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(silent))
+        proxy = engines_as(client, silent)
         if stream:  # as the server does when the client hangs up: the stream is closed after its first event
             from rd2h.proxy.first_flow import first_token_answer
 
@@ -492,18 +495,14 @@ def test_a_prefill_that_times_out_or_refuses_before_the_first_token_ends_the_req
                 return httpx.Response(400, json={"error": {"message": "too long"}})
             return await engines(request)
 
-        proxy = client._transport.public.app.state.proxy  # type: ignore[attr-defined]
-        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(failing))
+        engines_as(client, failing)
         answer = await client.post("/v1/completions", json={**GREEDY, "stream": stream})
         if how == "timeout":
             assert answer.status_code == 502 and "ReadTimeout" in answer.json()["error"]["message"]
         else:
             assert answer.status_code == 400 and "too long" in answer.text  # Prefill's own answer
         assert engines.decode_bodies == []
-        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)
-        scrape = (await client.get("/metrics")).text
-        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 1
-        assert (await client.get("/health")).json()["pending"] == 0
+        await assert_ended(client, engines, "failed")
 
     run(scenario)
 
@@ -518,8 +517,7 @@ def test_a_decode_answer_the_proxy_cannot_read_ends_the_request_and_prefill_hear
                 return httpx.Response(200, json=body)
             return answer
 
-        proxy = client._transport.public.app.state.proxy  # type: ignore[attr-defined]
-        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(odd))
+        proxy = engines_as(client, odd)
         from rd2h.proxy.first_flow import first_token_answer
 
         with pytest.raises(TypeError):
