@@ -69,8 +69,8 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     answer_headers = {"x-request-id": headers["x-request-id"]}
     try:
         first, failed = await _prefill(proxy, pending, path, body)
-    except BaseException:
-        proxy.finish(pending, 499, "the client went away", kind="cancelled")
+    except BaseException as exc:
+        _ended_by(proxy, pending, exc)
         raise
     if failed is not None:
         return failed
@@ -132,6 +132,18 @@ async def _prefill(proxy: Proxy, pending: _Pending, path: str, body: dict[str, A
         return None, error_answer(f"Prefill: {exc}", status, headers)
 
 
+def _ended_by(proxy: Proxy, pending: _Pending, exc: BaseException) -> None:
+    """The request ends on an exception, unless it ended already: the client gone (499, cancelled)
+    or a fault of the proxy's own (500, counted failed). Prefill's ask for targets gets 410."""
+    if pending.rid not in proxy.pending:
+        return
+    gone = isinstance(exc, asyncio.CancelledError)
+    if not gone:
+        proxy.metrics.first_token.labels("failed").inc()
+    proxy.finish(pending, 499 if gone else 500, "the client went away" if gone else f"proxy: {exc!r}",
+                 kind="cancelled" if gone else "proxy_failed")  # fmt: skip
+
+
 def _first_out(proxy: Proxy, pending: _Pending) -> None:
     pending.mark("first_token_out")
     proxy.metrics.first_token_seconds.observe(time.monotonic() - pending.started)  # never a warm-up
@@ -191,13 +203,8 @@ async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, 
         proxy.metrics.first_token.labels("continued").inc()
         proxy.finish(pending, 200)
         return JSONResponse(answer, headers=headers)
-    except BaseException as exc:  # the request ends here either way: Prefill's ask gets 410
-        if pending.rid in proxy.pending:
-            gone = isinstance(exc, asyncio.CancelledError)
-            if not gone:
-                proxy.metrics.first_token.labels("failed").inc()
-            proxy.finish(pending, 499 if gone else 500, "the client went away" if gone else f"proxy: {exc!r}",
-                         kind="cancelled" if gone else "proxy_failed")  # fmt: skip
+    except BaseException as exc:
+        _ended_by(proxy, pending, exc)
         raise
     finally:
         for task in legs:

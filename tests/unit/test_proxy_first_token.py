@@ -531,3 +531,25 @@ def test_a_decode_answer_the_proxy_cannot_read_ends_the_request_and_prefill_hear
         assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 1
 
     run(scenario)
+
+
+def test_a_proxy_fault_before_the_first_token_is_counted_a_failure_not_a_client_gone() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        async def faulty(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "prefill":
+                await engines(request)  # it took the request and asked for its targets
+                raise RuntimeError("a fault of the proxy's own")  # not a transport error: nothing maps it
+            return await engines(request)
+
+        proxy = engines_as(client, faulty)
+        from rd2h.proxy.first_flow import first_token_answer
+
+        with pytest.raises(RuntimeError):
+            await first_token_answer(proxy, "/v1/completions", GREEDY, {"x-request-id": "r"}, time.monotonic())
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        assert record["status"] == 500 and "RuntimeError" in record["error"]
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_errors_total{kind="proxy_failed"}') == 1
+        await assert_ended(client, engines, "failed")
+
+    run(scenario)
