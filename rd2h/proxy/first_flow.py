@@ -174,7 +174,7 @@ async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, 
                  headers: dict[str, str]) -> Response:
     """A non-streamed request: the first token and Decode's answer in one body (``first`` None:
     Decode's answer as it is)."""
-    decode, owes = legs
+    owes = legs[1]  # Prefill's part: settled once Decode answered
     try:
         try:
             response = await _decode_answer(proxy, pending, request, legs)
@@ -221,7 +221,7 @@ async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str,
                   ) -> AsyncIterator[bytes]:
     """A streamed request: the first token at once, then Decode's stream rewritten as the rest
     (``first`` None: Decode's stream as it is)."""
-    decode, owes = legs
+    owes = legs[1]  # Prefill's part: settled once Decode answered
     relayed = False  # once Decode's stream is relayed, _relay ends the request
     try:
         if first is not None:
