@@ -48,6 +48,7 @@ class NothingToPull:
     _claims: dict[str, str]
     _claimed: dict[str, str]
     _said_nothing: dict[str, None]  # oldest first, at most _REMEMBERED
+    _refuse: Any  # the scheduler's: logged and counted in ``refused_params``
 
     def _told_nothing(self, ext_id: str) -> bool:
         """The proxy was told lately that ``ext_id`` loads nothing: a later claim of it (a replay of
@@ -65,7 +66,8 @@ class NothingToPull:
         params = getattr(request, "kv_transfer_params", None) or {}
         request.kv_transfer_params = {**params, "do_remote_prefill": False}
         said = self._said_nothing
-        if ext_id in said:  # a replay of its fields: computed here, said once
+        if ext_id in said:  # a replay of its fields: computed here, said once, refused (counted)
+            self._refuse(req_id, f"id {ext_id} was said to load nothing already (a replay of its fields)")
             return
         said[ext_id] = None
         if len(said) > _REMEMBERED:

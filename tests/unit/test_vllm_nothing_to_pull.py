@@ -54,6 +54,7 @@ def test_a_prompt_whose_loadable_tokens_are_all_in_the_prefix_cache_is_said_once
     # a replay of its signed fields, with nothing cached: the proxy will never send, so it is not pulled
     replay = make_request("cmpl-pc-0-replay12", BLOCK + 1, request.kv_transfer_params | {"do_remote_prefill": True})
     assert ours.get_num_new_matched_tokens(replay, 0) == (0, False)
+    assert ours.stats["refused_params"] == 1  # the replay: refused, counted, not said again
     said = _said(scheduler, posts)
     assert (said["nothing"], said["num_tokens"]) == ("prefix_cached", BLOCK + 1)
     assert ours.stats["nothing_to_pull"] == 1 and len(posts.bodies) == 1 and not ours._recv_new
