@@ -95,7 +95,7 @@ class ProxyConfig:
     # where Prefill fetches its targets (the internal listener's /v1/rd2h/targets as engines reach it): Prefill
     # gets the request at once, with Decode; None: only once every rendezvous is in (rd2h.proxy.early)
     targets_url: str | None = None
-    first_token: str | None = None  # the targets URL where the client's first token is Prefill's (first_flow)
+    first_token_url: str | None = None  # the targets URL, set: the client's first token is Prefill's (first_flow)
 
     @property
     def warms_up(self) -> bool:
@@ -286,7 +286,7 @@ class Proxy:
             self.metrics.errors.labels("draining" if exc.status == 503 else "refused").inc()
             kind = "invalid_request_error" if exc.status < 500 else "rd2h_proxy_unavailable"
             return JSONResponse(error_body(str(exc), kind, exc.status), exc.status, headers=answer_headers)
-        if self.config.first_token and (first := await first_token_answer(self, path, body, headers, arrived)):
+        if self.config.first_token_url and (first := await first_token_answer(self, path, body, headers, arrived)):
             return first  # a Response; None: the normal flow (counted by reason)
         pending, prefill, decode = self.begin(path, body, (prompts, samples), headers, arrived=arrived)
         stream = bool(body.get("stream"))

@@ -108,7 +108,7 @@ async def _prefill(proxy: Proxy, pending: _Pending, path: str, body: dict[str, A
     """Prefill's leg, at once: ``(its first token, None)``, or ``(None, the client's error answer)``."""
     leg = prefill_body(body)
     leg["return_token_ids"] = True  # its answer names the prompt's token ids and the one it sampled
-    fields = later_fields(proxy.config.secret, pending.rid, 1, str(proxy.config.first_token),
+    fields = later_fields(proxy.config.secret, pending.rid, 1, str(proxy.config.first_token_url),
                           min(proxy.config.rendezvous_timeout, MAX_WAIT), time.time(), first=True)  # fmt: skip
     leg["kv_transfer_params"] = {"do_remote_decode": True, "rd2h": fields}
     sent = time.monotonic()

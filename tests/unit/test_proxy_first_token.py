@@ -225,7 +225,7 @@ class Engines:
 
 def run(scenario: Any, **config: Any) -> Any:
     async def main() -> Any:
-        settings = {"retries": 1, "backoff": 0.01, "health_interval": 0, "first_token": URL, **config}
+        settings = {"retries": 1, "backoff": 0.01, "health_interval": 0, "first_token_url": URL, **config}
         public, internal = create_apps(ProxyConfig(prefill=["http://prefill"], decode=["http://decode"], secret=SECRET,
                                                    **settings))  # fmt: skip
         async with httpx.AsyncClient(transport=Split(public, internal), base_url="http://proxy") as client:

@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, health_interval=args.health_interval, body_timeout=args.header_timeout,
         warmup=args.warmup, warmup_timeout=args.warmup_timeout,
         targets_url=targets_url(args, rendezvous_port, TARGETS_PATH),
-        first_token=targets_url(args, rendezvous_port, TARGETS_PATH, flag="first_token_from_prefill"),
+        first_token_url=targets_url(args, rendezvous_port, TARGETS_PATH, flag="first_token_from_prefill"),
     )
     listen = Listen(
         host=args.host, port=args.port, rendezvous_host=args.rendezvous_host, rendezvous_port=rendezvous_port,
