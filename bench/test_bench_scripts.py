@@ -196,3 +196,11 @@ def test_vllm_pd_redraws_recorded_results_without_an_engine(tmp_path: Path, caps
     with pytest.raises(SystemExit):
         vllm_pd.main(["--plot-from", str(other)])
     assert f"--plot-from {other}: not vllm_pd.py results" in capsys.readouterr().err
+
+
+def test_vllm_pd_refuses_a_role_configured_twice(capsys: pytest.CaptureFixture[str]) -> None:
+    import vllm_pd
+
+    with pytest.raises(SystemExit):
+        vllm_pd.main(["--config", 'decode={"channel": "tcp"}', "--config", 'decode={"channel": "zmq"}'])
+    assert "--config names a role more than once: ['decode']" in capsys.readouterr().err

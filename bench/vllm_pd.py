@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-from", nargs="+", metavar="JSON",
                         help="run nothing: print and draw the breakdown of recorded results, one panel each")
     args = parser.parse_args(argv)
+    roles = [role for role, _ in args.config]
+    if len(set(roles)) != len(roles):
+        parser.error(f"--config names a role more than once: {sorted(r for r in set(roles) if roles.count(r) > 1)}")
     if args.plot_from:
         try:
             results = [json.loads(Path(p).read_text()) for p in args.plot_from]
