@@ -41,7 +41,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -64,6 +64,7 @@ from rd2h.proxy.failures import (
 from rd2h.proxy.first_flow import first_token_answer
 from rd2h.proxy.instances import Instance, Pool, gone_for_good
 from rd2h.proxy.metrics import ProxyMetrics
+from rd2h.proxy.pending import Pending
 from rd2h.proxy.readiness import note_readiness
 from rd2h.proxy.warmup import PairTable, warm_up_pairs
 from rd2h.vllm.params import MAX_WAIT, decode_fields, later_fields
@@ -103,29 +104,6 @@ class ProxyConfig:
         return self.warmup and self.health_interval > 0
 
 
-@dataclass
-class _Pending:
-    rid: str
-    prompts: int
-    futures: list[asyncio.Future[dict[str, Any]]]  # one per prompt: its sample 0 pulls
-    all_in: asyncio.Future[None]  # every prompt's rendezvous is in: Prefill's leg may go
-    headers: dict[str, str]  # forwarded to both legs
-    heard: int = 0  # prompts whose rendezvous is in
-    record: dict[str, Any] = field(default_factory=dict)
-    recompute: bool = False  # every Decode that posted recomputes a failed load (its policy)
-    started: float = field(default_factory=time.monotonic)
-    prefill_answered: float | None = None
-    streams: list[Instance] = field(default_factory=list)  # a streamed answer is outstanding until the end
-    pinned: dict[str, Instance] = field(default_factory=dict)  # role -> the only instance to use (warm-up)
-    warmup: bool = False  # the proxy's own request: no client metrics
-    targets: dict[str, Any] | None = None  # Prefill's signed fields with every target, once all are in
-    answered_by: dict[str, Instance] = field(default_factory=dict)  # role -> the instance that answered its leg
-    nothing: bool = False  # every prompt's rendezvous said Decode loads nothing of it: no Prefill work
-
-    def mark(self, name: str) -> None:  # the first time it passed ``name``, ms from ``started``
-        self.record.setdefault("t", {}).setdefault(name, round((time.monotonic() - self.started) * 1e3, 3))
-
-
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
@@ -133,7 +111,7 @@ class Proxy:
         self.decode_pool = Pool("decode", config.decode, warm_up=config.warms_up)
         self.warmth = PairTable(retry_after=config.health_interval)
         self.was_ready = False
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, Pending] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=256)
         self.recomputed = 0  # requests whose Prefill failed, served by a Decode computing the prompt
         self.metrics = ProxyMetrics(lambda: (self.prefill_pool, self.decode_pool))
@@ -180,7 +158,7 @@ class Proxy:
     # -- engines -------------------------------------------------------------------------
 
     async def _send(self, pool: Pool, path: str, body: dict[str, Any], *, stream: bool,
-                    pending: _Pending) -> httpx.Response:
+                    pending: Pending) -> httpx.Response:
         """POST to the up instance with the fewest outstanding requests; a connect error takes
         it out of rotation and moves on (with backoff). A streamed answer stays outstanding
         on its instance until the request ends (:meth:`finish`)."""
@@ -226,7 +204,7 @@ class Proxy:
             return response
         raise AssertionError("unreachable")
 
-    async def prefill(self, pending: _Pending, path: str, body: dict[str, Any]) -> None:
+    async def prefill(self, pending: Pending, path: str, body: dict[str, Any]) -> None:
         """Send the request to Prefill once: at once, its targets to be fetched (``targets_url``),
         or once every child's rendezvous is in, its targets in its fields. Either way every
         rendezvous must come within ``rendezvous_timeout``."""
@@ -245,7 +223,7 @@ class Proxy:
         assert pending.targets is not None
         await self._prefill_leg(pending, path, body, pending.targets)
 
-    async def _prefill_leg(self, pending: _Pending, path: str, body: dict[str, Any], fields: dict[str, Any]) -> None:
+    async def _prefill_leg(self, pending: Pending, path: str, body: dict[str, Any], fields: dict[str, Any]) -> None:
         leg = prefill_body(body)
         leg["kv_transfer_params"] = {"do_remote_decode": True, "rd2h": fields}
         sent = time.monotonic()
@@ -259,7 +237,7 @@ class Proxy:
         if response.status_code >= 400:
             raise PrefillFailed(f"Prefill answered {response.status_code}: {response.text[:300]}")
 
-    async def recompute(self, pending: _Pending, path: str, body: dict[str, Any], error: Exception) -> httpx.Response:
+    async def recompute(self, pending: Pending, path: str, body: dict[str, Any], error: Exception) -> httpx.Response:
         """Prefill failed and Decode's policy is ``recompute``: Decode computes the prompt."""
         log.warning("request %s: Prefill failed (%s); a Decode computes the prompt (kv_load_failure_policy "
                     "recompute; %d so far)", pending.rid, error, self.recomputed + 1)
@@ -315,7 +293,7 @@ class Proxy:
 
     def begin(self, path: str, body: dict[str, Any], shape: tuple[int, int], headers: dict[str, str], *,
                pinned: dict[str, Instance] | None = None, arrived: float | None = None,
-               ) -> tuple[_Pending, asyncio.Task[None], asyncio.Task[httpx.Response]]:
+               ) -> tuple[Pending, asyncio.Task[None], asyncio.Task[httpx.Response]]:
         """Both legs of a request under way: Decode's now, Prefill's once every rendezvous is in."""
         prompts, samples = shape
         pending = self.open(path, prompts, headers, pinned=pinned, arrived=arrived)
@@ -328,14 +306,14 @@ class Proxy:
         return pending, prefill, decode
 
     def open(self, path: str, prompts: int, headers: dict[str, str], *, pinned: dict[str, Instance] | None = None,
-             arrived: float | None = None) -> _Pending:
+             arrived: float | None = None) -> Pending:
         """A request's state, known (its rendezvous are heard) until finish(), its ``rendezvous_timeout`` armed."""
         rid = secrets.token_hex(16)  # unguessable: it names the request on both engines
         loop = asyncio.get_running_loop()
         record: dict[str, Any] = {"id": rid, "path": path, "x_request_id": headers["x-request-id"]}
         if pinned:
             record["warmup"] = True
-        pending = _Pending(rid, prompts, [loop.create_future() for _ in range(prompts)], loop.create_future(), headers,
+        pending = Pending(rid, prompts, [loop.create_future() for _ in range(prompts)], loop.create_future(), headers,
                            record=record, pinned=dict(pinned or {}), warmup=bool(pinned))  # fmt: skip
         pending.started = record["t_origin"] = time.monotonic() if arrived is None else arrived  # monotonic s
         pending.mark("begun")
@@ -365,7 +343,7 @@ class Proxy:
             await cancel(prefill)
         return response
 
-    async def _settle(self, prefill: asyncio.Task[None], pending: _Pending) -> None:
+    async def _settle(self, prefill: asyncio.Task[None], pending: Pending) -> None:
         """Decode answered: Prefill's part has served its purpose; do not leave it running."""
         if not prefill.done():
             await cancel(prefill)
@@ -373,7 +351,7 @@ class Proxy:
             log.warning("Prefill failed after Decode answered: %s", prefill.exception())
 
     async def _relay(
-        self, response: httpx.Response, prefill: asyncio.Task[None], pending: _Pending,
+        self, response: httpx.Response, prefill: asyncio.Task[None], pending: Pending,
         request: tuple[str, dict[str, Any]],
     ) -> AsyncIterator[bytes]:
         """Decode's stream. Until its first chunk, a Prefill failure ends it with an error event
@@ -423,7 +401,7 @@ class Proxy:
             await self._settle(prefill, pending)
             self.finish(pending, status, error, kind=kind)
 
-    def _first_byte(self, pending: _Pending) -> None:
+    def _first_byte(self, pending: Pending) -> None:
         pending.mark("first_byte")
         if pending.warmup:
             return
@@ -432,7 +410,7 @@ class Proxy:
         if pending.prefill_answered is not None:
             self.metrics.decode.observe(now - pending.prefill_answered)
 
-    def finish(self, pending: _Pending, status: int, error: str = "", *, kind: str = "") -> None:
+    def finish(self, pending: Pending, status: int, error: str = "", *, kind: str = "") -> None:
         self.pending.pop(pending.rid, None)  # a late rendezvous now gets 404
         if not pending.all_in.done():  # a Prefill waiting for targets hears that none come
             settle(pending.all_in, EngineError(f"the request ended ({status}) before every rendezvous was in"))

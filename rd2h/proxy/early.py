@@ -35,14 +35,15 @@ from rd2h.proxy.failures import PrefillFailed, cancel, refused, settle
 from rd2h.vllm.params import accept_targets_ask, prefill_fields
 
 if TYPE_CHECKING:
-    from rd2h.proxy.app import Proxy, _Pending
+    from rd2h.proxy.app import Proxy
+    from rd2h.proxy.pending import Pending
 
 __all__ = ["TARGETS_PATH", "all_heard", "answer_targets", "leg_unless_nothing", "nothing_to_prefill", "prefill_owes"]
 
 TARGETS_PATH = "/v1/rd2h/targets"
 
 
-def all_heard(proxy: Proxy, pending: _Pending) -> None:
+def all_heard(proxy: Proxy, pending: Pending) -> None:
     """Every child's rendezvous is in: Prefill's targets are signed, its leg (or its ask) may go."""
     found = [f.result() for f in pending.futures]
     waited = time.monotonic() - pending.started
@@ -61,7 +62,7 @@ def all_heard(proxy: Proxy, pending: _Pending) -> None:
     settle(pending.all_in, None)
 
 
-def nothing_to_prefill(proxy: Proxy, pending: _Pending) -> None:
+def nothing_to_prefill(proxy: Proxy, pending: Pending) -> None:
     """Every rendezvous said Decode loads nothing: no Prefill leg was sent, or the one sent at once
     was cancelled (vLLM aborts it and frees its blocks) or had answered (its ask for targets gets 410)."""
     if not proxy.config.targets_url:
@@ -74,7 +75,7 @@ def nothing_to_prefill(proxy: Proxy, pending: _Pending) -> None:
         proxy.metrics.prefill_skipped.inc()
 
 
-async def leg_unless_nothing(pending: _Pending, leg: Coroutine[Any, Any, None]) -> None:
+async def leg_unless_nothing(pending: Pending, leg: Coroutine[Any, Any, None]) -> None:
     """Prefill's leg sent at once: awaited, unless every rendezvous comes in first saying Decode
     loads nothing; then it is cancelled (its connection closed: vLLM aborts the request)."""
     task = asyncio.ensure_future(leg)
@@ -100,6 +101,7 @@ async def answer_targets(proxy: Proxy, body: Any) -> Response:
     if pending is None:
         return JSONResponse({"error": "no request waits for targets under this id"}, status_code=404)
     pending.mark("targets_asked")
+    pending.asked.set()
     try:
         await asyncio.shield(pending.all_in)  # Prefill hanging up must not settle the request
     except Exception as exc:  # noqa: BLE001 - the rendezvous timed out, or the request ended
@@ -111,10 +113,10 @@ async def answer_targets(proxy: Proxy, body: Any) -> Response:
     return JSONResponse(pending.targets)
 
 
-async def prefill_owes(pending: _Pending) -> None:
+async def prefill_owes(pending: Pending) -> None:
     """Prefill answered its leg before Decode answered: fail (PrefillFailed) if the instance that
-    answered it is found gone meanwhile (``Pool.mark_down(dead=True)``). Runs until cancelled (Decode answered: the proxy settles the
-    Prefill task) or until that instance goes down."""
+    answered it is found gone meanwhile (``Pool.mark_down(dead=True)``). Runs until cancelled
+    (Decode answered: the proxy settles the Prefill task) or until that instance goes down."""
     instance = pending.answered_by.get("prefill")
     if instance is None:
         return

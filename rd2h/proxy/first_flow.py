@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,8 @@ from rd2h.proxy.first_token import (
 from rd2h.vllm.params import MAX_WAIT, decode_fields, later_fields
 
 if TYPE_CHECKING:
-    from rd2h.proxy.app import Proxy, _Pending
+    from rd2h.proxy.app import Proxy
+    from rd2h.proxy.pending import Pending
 
 __all__ = ["first_token_answer"]
 
@@ -67,6 +69,11 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
         return None
     pending = proxy.open(path, 1, headers, arrived=arrived)  # its rendezvous timeout armed
     answer_headers = {"x-request-id": headers["x-request-id"]}
+    stream = bool(body.get("stream"))
+    if stream and os.environ.get("RD2H_FIRST_OVERLAP") == "1":
+        from rd2h.proxy.first_overlap import overlapped_answer  # it builds on this module's steps
+
+        return await overlapped_answer(proxy, pending, path, body, answer_headers)
     try:
         first, failed = await _prefill(proxy, pending, path, body)
     except BaseException as exc:
@@ -75,16 +82,8 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     if failed is not None:
         return failed
     assert first is not None
-    stream = bool(body.get("stream"))
     if ends_at_first(first, body):
-        pending.record["first_token"] = "ended_at_first"
-        proxy.metrics.first_token.labels("ended_at_first").inc()
-        _first_out(proxy, pending)
-        proxy.finish(pending, 200)  # Prefill's ask for targets gets 410: it frees what it held
-        if stream:
-            chunk = first_chunks(first, body, last=True)
-            return StreamingResponse(_once(chunk), media_type="text/event-stream", headers=answer_headers)
-        return JSONResponse(prefill_only_body(first, body), headers=answer_headers)
+        return ended_at_first(proxy, pending, first, body, answer_headers)
     ours: First | None = first
     if splits_a_character(first):  # its text is not the client's: Decode generates every token (Prefill at once)
         ours, leg, tail = None, {k: v for k, v in body.items() if k != "kv_transfer_params"}, 0
@@ -103,7 +102,20 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     return await _whole(proxy, pending, (path, leg), ours, body, (decode, owes), answer_headers)
 
 
-async def _prefill(proxy: Proxy, pending: _Pending, path: str, body: dict[str, Any],
+def ended_at_first(proxy: Proxy, pending: Pending, first: First, body: dict[str, Any],
+                   headers: dict[str, str]) -> Response:
+    """The first token ends the request: Prefill's answer is the client's whole answer."""
+    pending.record["first_token"] = "ended_at_first"
+    proxy.metrics.first_token.labels("ended_at_first").inc()
+    _first_out(proxy, pending)
+    proxy.finish(pending, 200)  # Prefill's ask for targets gets 410: it frees what it held
+    if body.get("stream"):
+        chunk = first_chunks(first, body, last=True)
+        return StreamingResponse(_once(chunk), media_type="text/event-stream", headers=headers)
+    return JSONResponse(prefill_only_body(first, body), headers=headers)
+
+
+async def _prefill(proxy: Proxy, pending: Pending, path: str, body: dict[str, Any],
                    ) -> tuple[First | None, Response | None]:
     """Prefill's leg, at once: ``(its first token, None)``, or ``(None, the client's error answer)``."""
     leg = prefill_body(body)
@@ -132,7 +144,7 @@ async def _prefill(proxy: Proxy, pending: _Pending, path: str, body: dict[str, A
         return None, error_answer(f"Prefill: {exc}", status, headers)
 
 
-def _ended_by(proxy: Proxy, pending: _Pending, exc: BaseException) -> None:
+def _ended_by(proxy: Proxy, pending: Pending, exc: BaseException) -> None:
     """The request ends on an exception, unless it ended already: the client gone (499, cancelled)
     or a fault of the proxy's own (500, counted failed). Prefill's ask for targets gets 410."""
     if pending.rid not in proxy.pending:
@@ -144,12 +156,12 @@ def _ended_by(proxy: Proxy, pending: _Pending, exc: BaseException) -> None:
                  kind="cancelled" if gone else "proxy_failed")  # fmt: skip
 
 
-def _first_out(proxy: Proxy, pending: _Pending) -> None:
+def _first_out(proxy: Proxy, pending: Pending) -> None:
     pending.mark("first_token_out")
     proxy.metrics.first_token_seconds.observe(time.monotonic() - pending.started)  # never a warm-up
 
 
-async def _owes(pending: _Pending) -> None:
+async def _owes(pending: Pending) -> None:
     """Prefill's part once Decode's leg is out: every rendezvous in time, then Prefill alive until
     Decode's first byte (:func:`rd2h.proxy.early.prefill_owes`)."""
     await asyncio.shield(pending.all_in)  # cancelled, it must not cancel the future Prefill's ask waits on
@@ -157,7 +169,7 @@ async def _owes(pending: _Pending) -> None:
         await prefill_owes(pending)
 
 
-async def _decode_answer(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]],
+async def _decode_answer(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, Any]],
                          legs: tuple[asyncio.Task[httpx.Response], asyncio.Task[None]]) -> httpx.Response:
     """Decode's response, or under its ``recompute`` policy a Decode computing its leg when
     Prefill failed; EngineError otherwise."""
@@ -169,7 +181,7 @@ async def _decode_answer(proxy: Proxy, pending: _Pending, request: tuple[str, di
         return await proxy.recompute(pending, *request, exc)
 
 
-async def _whole(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]], first: First | None,
+async def _whole(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, Any]], first: First | None,
                  body: dict[str, Any], legs: tuple[asyncio.Task[httpx.Response], asyncio.Task[None]],
                  headers: dict[str, str]) -> Response:
     """A non-streamed request: the first token and Decode's answer in one body (``first`` None:
@@ -216,7 +228,7 @@ async def _once(chunk: bytes) -> AsyncIterator[bytes]:
     yield chunk
 
 
-async def _stream(proxy: Proxy, pending: _Pending, request: tuple[str, dict[str, Any]], first: First | None,
+async def _stream(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, Any]], first: First | None,
                   body: dict[str, Any], legs: tuple[asyncio.Task[httpx.Response], asyncio.Task[None]],
                   ) -> AsyncIterator[bytes]:
     """A streamed request: the first token at once, then Decode's stream rewritten as the rest
