@@ -101,7 +101,6 @@ async def answer_targets(proxy: Proxy, body: Any) -> Response:
     if pending is None:
         return JSONResponse({"error": "no request waits for targets under this id"}, status_code=404)
     pending.mark("targets_asked")
-    pending.asked.set()
     try:
         await asyncio.shield(pending.all_in)  # Prefill hanging up must not settle the request
     except Exception as exc:  # noqa: BLE001 - the rendezvous timed out, or the request ended

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -70,10 +69,6 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     pending = proxy.open(path, 1, headers, arrived=arrived)  # its rendezvous timeout armed
     answer_headers = {"x-request-id": headers["x-request-id"]}
     stream = bool(body.get("stream"))
-    if stream and os.environ.get("RD2H_FIRST_OVERLAP") == "1":
-        from rd2h.proxy.first_overlap import overlapped_answer  # it builds on this module's steps
-
-        return await overlapped_answer(proxy, pending, path, body, answer_headers)
     try:
         first, failed = await _prefill(proxy, pending, path, body)
     except BaseException as exc:

@@ -30,7 +30,7 @@ from typing import Any
 from rd2h.proxy.bodies import event
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS", "REASONS", "SAFE_FIELDS", "Continuation", "First", "Mismatch", "StreamRewriter",
+    "DEFAULT_MAX_TOKENS", "REASONS", "SAFE_FIELDS", "First", "StreamRewriter",
     "decode_leg", "ends_at_first", "first_chunks", "first_of", "merged_body", "prefill_only_body",
     "splits_a_character", "why_not",
 ]  # fmt: skip
@@ -256,68 +256,3 @@ class StreamRewriter:
             chunk["usage"] = _usage(chunk["usage"])
         return event(chunk)
 
-
-class Mismatch(ValueError):
-    """Decode's first token is not the one Prefill sampled (the client has Prefill's)."""
-
-
-class Continuation:
-    """Decode's whole stream (the normal flow's leg, sent with Prefill's, asked with
-    ``return_token_ids``) as the rest after Prefill's first token: its first token is dropped
-    once it is Prefill's, with Prefill's text (:class:`Mismatch` otherwise); every event under
-    Prefill's id; token ids kept only where the client asked. ``first`` None: Prefill's token
-    was not sent, Decode's stream passes whole (its ids stripped as asked)."""
-
-    def __init__(self, first: First | None, body: dict[str, Any]) -> None:
-        self.first = first
-        self.wants_ids = _wants_ids(body)
-        self.dropped = first is None
-        self._buffer = b""
-
-    def feed(self, raw: bytes) -> bytes:
-        self._buffer += raw
-        *events, self._buffer = self._buffer.split(b"\n\n")
-        return b"".join(self._rewrite(one) for one in events)
-
-    def flush(self) -> bytes:
-        rest, self._buffer = self._buffer, b""
-        return rest
-
-    def _rewrite(self, one: bytes) -> bytes:
-        if not one.startswith(b"data: ") or one == b"data: [DONE]":
-            return one + b"\n\n"
-        try:
-            chunk = json.loads(one[6:])
-        except ValueError:
-            return one + b"\n\n"
-        if not isinstance(chunk, dict) or "error" in chunk:
-            return one + b"\n\n"
-        choices = chunk.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            choice = dict(choices[0])
-            if not self.dropped and choice.get("token_ids"):
-                if not self._drop_first(choice):
-                    return b""  # the first token's event, nothing else in it
-            if not self.wants_ids:
-                choice.update(prompt_token_ids=None, token_ids=None)
-            elif choice.get("prompt_token_ids"):
-                choice["prompt_token_ids"] = None  # Prefill's first event carried them
-            chunk["choices"] = [choice, *choices[1:]]
-        if self.first is not None:
-            for key in ("id", "created"):
-                if key in self.first.answer and key in chunk:
-                    chunk[key] = self.first.answer[key]
-        return event(chunk)
-
-    def _drop_first(self, choice: dict[str, Any]) -> bool:
-        """Take the first token out of ``choice`` (Mismatch when it is not Prefill's); False when
-        nothing of the event is left to send."""
-        assert self.first is not None
-        ids, text = list(choice["token_ids"]), str(choice.get("text") or "")
-        if ids[0] != self.first.token_id:
-            raise Mismatch(f"Decode's first token {ids[0]} is not Prefill's {self.first.token_id}")
-        if not text.startswith(self.first.text):
-            raise Mismatch(f"Decode's first text {text!r} does not begin with Prefill's {self.first.text!r}")
-        self.dropped = True
-        choice["token_ids"], choice["text"] = ids[1:], text[len(self.first.text):]
-        return bool(choice["token_ids"] or choice["text"] or choice.get("finish_reason"))

@@ -30,8 +30,6 @@ class Pending:
     targets: dict[str, Any] | None = None  # Prefill's signed fields with every target, once all are in
     answered_by: dict[str, Instance] = field(default_factory=dict)  # role -> the instance that answered its leg
     nothing: bool = False  # every prompt's rendezvous said Decode loads nothing of it: no Prefill work
-    # Prefill asked for its targets (Prefill at once): its engine has the request, its API server is done with it
-    asked: asyncio.Event = field(default_factory=asyncio.Event)
 
     def mark(self, name: str) -> None:  # the first time it passed ``name``, ms from ``started``
         self.record.setdefault("t", {}).setdefault(name, round((time.monotonic() - self.started) * 1e3, 3))
