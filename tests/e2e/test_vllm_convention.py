@@ -27,12 +27,9 @@ PROMPTS = [LONG, "a tiny model learns to decode " * 7]  # ~490 tokens (chunked o
 def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
     from vllm_cluster import Cluster, free_base_port
 
-    cluster = Cluster(model, tmp_path_factory.mktemp("convention"))
-    try:
+    with Cluster(model, tmp_path_factory.mktemp("convention")) as cluster:
         cluster.ensure(prefill={"handoff_port": free_base_port(1)})
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture(scope="module")

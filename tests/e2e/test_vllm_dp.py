@@ -35,11 +35,8 @@ MANY = [f"{prompt} {i}" for i in range(4) for prompt in PROMPTS]
 def dp_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
     from vllm_cluster import Cluster
 
-    cluster = Cluster(model, tmp_path_factory.mktemp("dp"))
-    try:
+    with Cluster(model, tmp_path_factory.mktemp("dp")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 def per_rank(url: str, name: str, **labels: str) -> list[float]:

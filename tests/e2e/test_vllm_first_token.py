@@ -47,12 +47,9 @@ def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         def _proxy(self, name: str, decodes: Any, *args: str) -> None:
             super()._proxy(name, decodes, *args, "--first-token-from-prefill")
 
-    cluster = FirstTokenCluster(model, tmp_path_factory.mktemp("cluster"))
-    try:
+    with FirstTokenCluster(model, tmp_path_factory.mktemp("cluster")) as cluster:
         cluster.ensure()
         yield cluster
-    finally:
-        cluster.close()
 
 
 def ask(url: str, prompt: Any, *, stream: bool, max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:

@@ -23,11 +23,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 def gqa_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
     from vllm_cluster import Cluster
 
-    cluster = Cluster(model, tmp_path_factory.mktemp("gqa-tp"), tp={"prefill": 2, "decode": 1})
-    try:
+    with Cluster(model, tmp_path_factory.mktemp("gqa-tp"), tp={"prefill": 2, "decode": 1}) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 def assert_pulled_tokens_equal_one_engine(cluster: Any) -> None:

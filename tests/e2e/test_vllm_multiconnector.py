@@ -52,14 +52,11 @@ def multi_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         return {"kv_connector": "MultiConnector", "kv_role": rd2h["kv_role"],
                 "kv_connector_extra_config": {"connectors": [rd2h, other]}}
 
-    cluster = Cluster(model, workdir)
-    cluster.compose = compose
-    cluster.stores = stores
-    try:
+    with Cluster(model, workdir) as cluster:
+        cluster.compose = compose
+        cluster.stores = stores
         cluster.ensure(prefill=WHOLE_PROMPTS, decode=NO_PREFIX_CACHE)
         yield cluster
-    finally:
-        cluster.close()
 
 
 def poison(source: Path, target: Path) -> int:

@@ -38,11 +38,8 @@ PP_ARGS = {"_engine_args": ["--pipeline-parallel-size", "2", "--no-enforce-eager
 def pp_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
     from vllm_cluster import Cluster
 
-    cluster = Cluster(model, tmp_path_factory.mktemp("pp"))
-    try:
+    with Cluster(model, tmp_path_factory.mktemp("pp")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 def assert_pulled_tokens_equal_one_engine(cluster: Any, decode_stages: int, stages: str = "1,1") -> None:

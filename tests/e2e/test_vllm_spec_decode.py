@@ -33,12 +33,9 @@ REPEATS = ["kalomi the lazy dog kalomi the lazy dog " * 6, *PROMPTS]
 def spec_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
     from vllm_cluster import Cluster
 
-    cluster = Cluster(model, tmp_path_factory.mktemp("spec"))
-    try:
+    with Cluster(model, tmp_path_factory.mktemp("spec")) as cluster:
         cluster.ensure(decode=SPEC_ARGS)
         yield cluster
-    finally:
-        cluster.close()
 
 
 def test_ngram_speculation_on_decode_equals_one_engine(spec_cluster: Any) -> None:

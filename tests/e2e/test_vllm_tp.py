@@ -18,12 +18,9 @@ def cluster_tp2(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  
     from vllm_cluster import Cluster
 
     # two engines of two workers on a 2-core machine: no core pinning
-    cluster = Cluster(model, tmp_path_factory.mktemp("tp2"), tp=2, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    try:
+    with Cluster(model, tmp_path_factory.mktemp("tp2"), tp=2, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) as cluster:
         cluster.ensure()
         yield cluster
-    finally:
-        cluster.close()
 
 
 def test_tp2_decode_tokens_equal_a_single_engine(cluster_tp2: Any) -> None:
