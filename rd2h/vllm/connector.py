@@ -202,6 +202,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._local = SchedulerTally()
         self._matched: dict[str, int] = {}  # Decode: req id -> tokens rd2h said it would pull
         self._not_taken = 0  # ... that vLLM then allocated without them (another loader took it)
+        self._hook_errors = 0  # guarded scheduler hooks that raised (each also in self._local by hook)
+        self._match_failed = 0  # ... of them get_num_new_matched_tokens: the request served locally
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = RD2HScheduler(
                 self.rd2h_config, consumer=consumer, producer=producer, block_sizes=sizes, tp_size=tp,
@@ -245,7 +247,9 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             try:  # each request's problem is settled inside; this only keeps a bug from the engine
                 self.worker.bind(connector_metadata)
             except Exception:  # noqa: BLE001
-                log.exception("rd2h: applying a step's metadata failed; the engine goes on")
+                self.worker.tally.hook_error("bind_connector_metadata")
+                log.exception("rd2h: applying a step's metadata failed; the engine goes on (counted in "
+                              "vllm:rd2h_hook_errors_total)")  # fmt: skip
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -313,7 +317,16 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     # The per-request scheduler hooks settle what a request brings inside (rd2h.vllm.scheduler);
     # the guards here only keep an unforeseen bug from killing the engine: the request then
-    # runs as a plain local one.
+    # runs as a plain local one, and the error is logged and counted (_hook_failed).
+
+    def _hook_failed(self, hook: str, request: Any, what: str) -> None:
+        """A guarded scheduler hook raised: logged with its traceback and counted by hook
+        (``vllm:rd2h_hook_errors_total{hook}``), never silent."""
+        self._local.hook_error(hook)
+        self._hook_errors += 1
+        log.exception("rd2h: request %s: %s raised; %s (%d hook errors so far, counted in "
+                      "vllm:rd2h_hook_errors_total)", getattr(request, "request_id", "?"), hook, what,
+                      self._hook_errors)  # fmt: skip
 
     def on_new_request(self, request: Any) -> None:
         """A Prefill request for rd2h proxy's Decode, with a Mamba state group: computed short
@@ -330,7 +343,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             elif signed:
                 self._truncation.truncate(request)
         except Exception:  # noqa: BLE001
-            log.exception("rd2h: request %s: cutting its prompt failed", getattr(request, "request_id", "?"))
+            self._hook_failed("on_new_request", request, "its prompt is not cut")
 
     def _signed_prefill(self, request: Any) -> bool | str:
         """``request`` carries Prefill params the scheduler accepts (signed by the proxy, for
@@ -352,7 +365,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         try:
             count, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception:  # noqa: BLE001
-            log.exception("rd2h: request %s served locally after an error", getattr(request, "request_id", "?"))
+            self._match_failed += 1  # also a local recompute: scheduler_error
+            self._hook_failed("get_num_new_matched_tokens", request, "it is served locally")
             return 0, False
         if count:
             self._matched[request.request_id] = count
@@ -368,7 +382,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 return
             self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception:  # noqa: BLE001
-            log.exception("rd2h: request %s: error after allocation", getattr(request, "request_id", "?"))
+            self._hook_failed("update_state_after_alloc", request, "nothing more is done for it")
 
     def _uncut(self, request: Any) -> bool:
         """A Mamba model's Prefill leg, signed, whose prompt was not cut short of its last token
@@ -432,7 +446,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return self._worker.stats()
         if self._scheduler is not None:
             uncut = self._truncation.refused if self._truncation is not None else 0
-            return self._local.take({**self._scheduler.stats, "load_not_taken": self._not_taken, "state_uncut": uncut})
+            return self._local.take({**self._scheduler.stats, "load_not_taken": self._not_taken, "state_uncut": uncut,
+                                     "scheduler_error": self._match_failed})  # fmt: skip
         return None
 
     @classmethod

@@ -46,7 +46,7 @@ __all__ = ["LOCAL_REASONS", "RD2HPromMetrics", "RD2HStats", "SchedulerTally", "W
 # the scheduler's stats keys that count a request (or sample) computed here instead of pulled
 LOCAL_REASONS = (
     "refused_params", "samples_computed_here", "no_handoff", "handoff_failed", "load_not_taken", "state_uncut",
-    "nothing_to_pull",
+    "nothing_to_pull", "scheduler_error",
 )  # fmt: skip
 _MAX_EVENTS = 1 << 14  # observations awaiting the next take (vLLM takes each step); past it the oldest go
 
@@ -57,6 +57,7 @@ def _empty() -> dict[str, Any]:
         "staged_bytes": 0, "landed_bytes": 0,  # host staging's copies (rd2h.staging), totals too
         "read_batch_seconds": [], "handshake_seconds": [],  # one value per read batch / handshake
         "pull_failures": {}, "send_failures": {}, "local": {},  # counts by error class / reason
+        "hook_errors": {},  # vLLM hook calls rd2h raised in (a bug, caught), by hook
     }  # fmt: skip
 
 
@@ -114,6 +115,8 @@ class RD2HStats(KVConnectorStats):  # type: ignore[misc,valid-type]
             out["Max handshake (ms)"] = round(1e3 * max(d["handshake_seconds"]), 3)
         if d["local"]:
             out["Computed locally"] = sum(d["local"].values())
+        if d["hook_errors"]:
+            out["Hook errors"] = sum(d["hook_errors"].values())
         if d["staged_bytes"]:
             out["Staged GB"] = round(d["staged_bytes"] / 1e9, 3)
         if d["landed_bytes"]:
@@ -173,6 +176,10 @@ class WorkerTally:
     def pull_failed(self, error: BaseException | None) -> None:
         _count(self._stats.data["pull_failures"], _kind(error))
 
+    def hook_error(self, hook: str) -> None:
+        """A worker hook raised (caught by the connector's guard: the engine goes on)."""
+        _count(self._stats.data["hook_errors"], hook)
+
     def local(self, reason: str) -> None:
         """A request this rank did not transfer (e.g. ``hold_expired``: nobody asked for it)."""
         _count(self._stats.data["local"], reason)
@@ -213,10 +220,16 @@ def _drain(events: deque[float]) -> list[float]:
 
 
 class SchedulerTally:
-    """Deltas of the scheduler's cumulative ``stats`` that say a request was computed here."""
+    """Deltas of the scheduler's cumulative ``stats`` that say a request was computed here,
+    and the scheduler hooks that raised since the last :meth:`take`."""
 
     def __init__(self) -> None:
         self._seen: dict[str, int] = {}
+        self._hook_errors: dict[str, int] = {}
+
+    def hook_error(self, hook: str) -> None:
+        """A scheduler hook raised (caught by the connector's guard: the engine goes on)."""
+        _count(self._hook_errors, hook)
 
     def take(self, counts: Mapping[str, int]) -> RD2HStats | None:
         local = {}
@@ -225,7 +238,8 @@ class SchedulerTally:
             if grown:
                 local[reason] = grown
                 self._seen[reason] = counts[reason]
-        return RD2HStats(data={"local": local}) if local else None
+        errors, self._hook_errors = self._hook_errors, {}
+        return RD2HStats(data={"local": local, "hook_errors": errors}) if local or errors else None
 
 
 # Prometheus series: (attribute, name, documentation). Counters get "_total" when exposed.
@@ -242,12 +256,14 @@ _COUNTERS = (
     (
         "staged_bytes",
         "vllm:rd2h_staged_bytes",
-        "KV cache bytes Prefill copied device-to-host into its host staging mirror (RD2H_STAGING), summed over TP ranks.",
+        "KV cache bytes Prefill copied device-to-host into its host staging mirror (RD2H_STAGING), "
+        "summed over TP ranks.",
     ),
     (
         "landed_bytes",
         "vllm:rd2h_landed_bytes",
-        "KV cache bytes Decode copied host-to-device from its staging landing buffer (RD2H_STAGING), summed over TP ranks.",
+        "KV cache bytes Decode copied host-to-device from its staging landing buffer (RD2H_STAGING), "
+        "summed over TP ranks.",
     ),
 )
 _BY_LABEL = (
@@ -265,7 +281,17 @@ _BY_LABEL = (
         "gave the load to another connector listed before rd2h under MultiConnector, or dropped it), state_uncut "
         "(Prefill of a Mamba model: a prompt not computed short of its last token, e.g. one token, is not sent), "
         "nothing_to_pull (Decode: nothing of the prompt to load, a one-token prompt with several KV cache groups or "
-        "every loadable token in its prefix cache; the proxy is told so and sends no Prefill leg for it).",
+        "every loadable token in its prefix cache; the proxy is told so and sends no Prefill leg for it), "
+        "scheduler_error (rd2h's scheduler raised matching the request, a bug: served without rd2h; "
+        "also in hook_errors).",
+    ),
+    (
+        "hook_errors",
+        "hook",
+        "vllm:rd2h_hook_errors",
+        "vLLM hook calls that raised inside rd2h (a bug, logged with its traceback) and were caught so that the "
+        "engine goes on, by hook: on_new_request, get_num_new_matched_tokens, update_state_after_alloc "
+        "(scheduler), bind_connector_metadata (per worker).",
     ),
 )
 _HISTOGRAMS = (
