@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import busy_poll
+import busy_poll_gil
 import control_channel
 import pingpong
 
@@ -38,3 +39,12 @@ def test_busy_poll_cost_script_reports_both_parts(tmp_path: Path) -> None:
     assert all(summary[f"ping-pong {arm}"]["p50_us"] > 0 for arm in ("blocking", "spinning"))
     assert all(summary[f"demo busy_poll_us={bp}"]["layer_p50_us"] > 0 for bp in (0, 300))
     assert math.isfinite(summary["cpu_on_over_off"])
+
+
+def test_busy_poll_gil_script_times_compute_while_frames_flow(tmp_path: Path) -> None:
+    out = tmp_path / "busy_poll_gil.json"
+    assert busy_poll_gil.main(["--rounds", "1", "--scale", "0.05", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    for kind in ("python", "numpy"):
+        assert math.isfinite(summary[kind]["polled_over_not"]) and summary[kind]["polled_over_not"] > 0
+        assert summary[kind]["frames_while_computing"] > 0, "no frame flowed while the compute thread was timed"
