@@ -27,7 +27,8 @@ rendezvous said its ``kv_load_failure_policy`` is ``recompute`` and Prefill fail
 Decode sent the client anything: then the proxy honours that policy itself, at once: the
 client's request goes to a Decode engine again as a plain request, which computes its prompt
 (logged, counted). A stream that fails after its headers ends with an error event in
-OpenAI's error shape and no ``[DONE]``.
+OpenAI's error shape and no ``[DONE]``. A client that goes away (or a server that stops) while
+the legs are out cancels them and ends the request once (499; :mod:`rd2h.proxy.abandon`).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ from typing import Any
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from rd2h.proxy.abandon import ClosingStream, end_once, stop_legs
 from rd2h.proxy.bodies import Refused, error_body, error_event, parse_body, prefill_body, read_limited, shape_of
 from rd2h.proxy.early import all_heard, leg_unless_nothing, nothing_to_prefill, prefill_owes
 from rd2h.proxy.failures import (
@@ -64,6 +66,7 @@ from rd2h.proxy.failures import (
 from rd2h.proxy.first_flow import first_token_answer
 from rd2h.proxy.instances import Instance, Pool, gone_for_good
 from rd2h.proxy.metrics import ProxyMetrics
+from rd2h.proxy.models import FORWARDED_HEADERS, ModelLengths, models_answer
 from rd2h.proxy.pending import Pending
 from rd2h.proxy.readiness import note_readiness
 from rd2h.proxy.warmup import PairTable, warm_up_pairs
@@ -75,7 +78,6 @@ __all__ = ["EngineError", "NoInstance", "PrefillFailed", "Proxy", "ProxyConfig",
 log = logging.getLogger("rd2h.proxy")
 
 RENDEZVOUS_PATH = "/v1/rd2h/rendezvous"
-FORWARDED_HEADERS = ("authorization", "x-request-id")
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class Proxy:
         self.pending: dict[str, Pending] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=256)
         self.recomputed = 0  # requests whose Prefill failed, served by a Decode computing the prompt
+        self.model_lengths = ModelLengths()  # Decode's max_model_len per instance (rd2h.proxy.models)
         self.metrics = ProxyMetrics(lambda: (self.prefill_pool, self.decode_pool))
         self.metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
         self.client: httpx.AsyncClient | None = None
@@ -267,29 +270,43 @@ class Proxy:
         if self.config.first_token_url and (first := await first_token_answer(self, path, body, headers, arrived)):
             return first  # a Response; None: the normal flow (counted by reason)
         pending, prefill, decode = self.begin(path, body, (prompts, samples), headers, arrived=arrived)
-        stream = bool(body.get("stream"))
+        response: httpx.Response | None = None
         try:
             try:
-                response = await self.first_answer(decode, prefill)
-            except PrefillFailed as exc:
-                if not pending.recompute:
-                    raise
-                response = await self.recompute(pending, path, body, exc)
-        except EngineError as exc:
-            self.finish(pending, exc.status, str(exc), kind=exc.kind)
-            return error_answer(str(exc), exc.status, answer_headers)
-        answer_headers["content-type"] = response.headers.get("content-type", "application/json")
-        if not stream:
-            data = await response.aread()
-            await response.aclose()
-            self._first_byte(pending)
-            await self._settle(prefill, pending)
-            self.finish(pending, response.status_code)
-            return Response(data, status_code=response.status_code, headers=answer_headers)
-        return StreamingResponse(
-            self._relay(response, prefill, pending, (path, body)), status_code=response.status_code,
-            headers=answer_headers,
-        )
+                try:
+                    response = await self.first_answer(decode, prefill)
+                except PrefillFailed as exc:
+                    if not pending.recompute:
+                        raise
+                    response = await self.recompute(pending, path, body, exc)
+            except EngineError as exc:
+                self.finish(pending, exc.status, str(exc), kind=exc.kind)
+                return error_answer(str(exc), exc.status, answer_headers)
+            answer_headers["content-type"] = response.headers.get("content-type", "application/json")
+            if not body.get("stream"):
+                data = await response.aread()
+                await response.aclose()
+                self._first_byte(pending)
+                await self._settle(prefill, pending)
+                self.finish(pending, response.status_code)
+                return Response(data, status_code=response.status_code, headers=answer_headers)
+        except BaseException as exc:  # the client went away (or the server stops) while the legs were out
+            end_once(self, pending, exc)
+            await stop_legs(decode, prefill)
+            if response is not None:  # a recomputing Decode's, which is no leg
+                await response.aclose()
+            raise
+        return ClosingStream(self._relay(response, prefill, pending, (path, body)), status_code=response.status_code,
+                             headers=answer_headers, on_close=self._never_relayed(pending, response, decode, prefill))
+
+    def _never_relayed(self, pending: Pending, response: httpx.Response, *legs: asyncio.Future[Any]) -> Any:
+        """What a stream whose relay never ran (the client gone before its headers went out) leaves to end."""
+        async def end() -> None:
+            if pending.rid in self.pending:
+                self.finish(pending, 499, "the client went away", kind="cancelled")
+                await stop_legs(*legs)
+                await response.aclose()
+        return end
 
     def begin(self, path: str, body: dict[str, Any], shape: tuple[int, int], headers: dict[str, str], *,
                pinned: dict[str, Instance] | None = None, arrived: float | None = None,
@@ -352,11 +369,12 @@ class Proxy:
 
     async def _relay(
         self, response: httpx.Response, prefill: asyncio.Task[None], pending: Pending,
-        request: tuple[str, dict[str, Any]],
+        request: tuple[str, dict[str, Any]], rewriter: Any = None,
     ) -> AsyncIterator[bytes]:
         """Decode's stream. Until its first chunk, a Prefill failure ends it with an error event
         (or, under Decode's ``recompute`` policy, switches to a Decode computing the prompt);
-        after it, Decode had its KV whole (it emits nothing before) and Prefill no longer matters."""
+        after it, Decode had its KV whole (it emits nothing before) and Prefill no longer matters.
+        ``rewriter`` (feed, flush; ValueError: Decode sent what it cannot read) rewrites the chunks."""
         chunks = response.aiter_raw()
         status, kind, error = response.status_code, "", ""
         relayed = False
@@ -386,7 +404,14 @@ class Proxy:
                     return
                 try:
                     chunk = await next_chunk
+                    out = chunk if rewriter is None else rewriter.feed(chunk)
                 except StopAsyncIteration:
+                    if rewriter is not None and (rest := rewriter.flush()):
+                        yield rest
+                    return
+                except ValueError as exc:  # Decode sent what the rewriter cannot read
+                    status, kind, error = 502, "decode_failed", f"Decode: {exc}"
+                    yield error_event(error, status)
                     return
                 except httpx.TransportError as exc:  # Decode died mid-stream
                     status, kind, error = 502, "decode_failed", f"Decode: {type(exc).__name__}: {exc}"
@@ -395,7 +420,11 @@ class Proxy:
                 if chunk and not relayed:
                     self._first_byte(pending)
                 relayed = relayed or bool(chunk)
-                yield chunk
+                if out:
+                    yield out
+        except (GeneratorExit, asyncio.CancelledError):  # closed before its end: the client went away
+            status, kind, error = 499, "cancelled", "the client went away"
+            raise
         finally:
             await response.aclose()
             await self._settle(prefill, pending)
@@ -462,16 +491,6 @@ class Proxy:
         return hmac.compare_digest(given, token(self.config.secret, "requests"))
 
     async def models(self, request: Request) -> Response:
-        """A Decode's model list (both kinds serve the same model)."""
-        assert self.client is not None
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
-        instance = self.decode_pool.pick()
-        if instance is None:
-            return error_answer("no decode instance is up", 503)
-        try:
-            answer = await self.client.get(instance.url + "/v1/models", headers=headers, timeout=httpx.Timeout(
-                30.0, connect=self.config.connect_timeout))
-        except httpx.TransportError as exc:
-            self.decode_pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
-            return error_answer(f"{instance.url}: {exc}", 502)
-        return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+        """A Decode's model list (both kinds serve the same model): :func:`rd2h.proxy.models.models_answer`."""
+        return await models_answer(self, request)
+

@@ -22,7 +22,7 @@ its leg (the prompt and the first token) as a plain request: the same tokens, la
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rd2h.proxy.bodies import error_event, prefill_body
+from rd2h.proxy.abandon import ClosingStream, end_once, stop_legs
+from rd2h.proxy.bodies import error_body, error_event, prefill_body
 from rd2h.proxy.early import prefill_owes
 from rd2h.proxy.failures import EngineError, PrefillFailed, cancel, error_answer
 from rd2h.proxy.first_token import (
+    DEFAULT_MAX_TOKENS,
     First,
     StreamRewriter,
     decode_leg,
@@ -43,9 +45,11 @@ from rd2h.proxy.first_token import (
     first_of,
     merged_body,
     prefill_only_body,
+    read_json,
     splits_a_character,
     why_not,
 )  # fmt: skip
+from rd2h.proxy.models import too_long
 from rd2h.vllm.params import MAX_WAIT, decode_fields, later_fields
 
 if TYPE_CHECKING:
@@ -69,6 +73,8 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     pending = proxy.open(path, 1, headers, arrived=arrived)  # its rendezvous timeout armed
     answer_headers = {"x-request-id": headers["x-request-id"]}
     stream = bool(body.get("stream"))
+    # the model's length, learned while Prefill computes (once per Decode instance): _too_long checks it
+    limits = proxy.model_lengths.learn(proxy.client, proxy.decode_pool, proxy.config.connect_timeout, pending.headers)
     try:
         first, failed = await _prefill(proxy, pending, path, body)
     except BaseException as exc:
@@ -77,6 +83,8 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     if failed is not None:
         return failed
     assert first is not None
+    if (refusal := await _too_long(proxy, pending, first, body, limits)) is not None:
+        return refusal
     if ends_at_first(first, body):
         return ended_at_first(proxy, pending, first, body, answer_headers)
     ours: First | None = first
@@ -92,9 +100,18 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     owes = asyncio.create_task(_owes(pending))
     decode = asyncio.create_task(proxy._send(proxy.decode_pool, path, decode_body, stream=stream, pending=pending))
     if stream:
-        return StreamingResponse(_stream(proxy, pending, (path, leg), ours, body, (decode, owes)),
-                                 media_type="text/event-stream", headers=answer_headers)  # fmt: skip
+        return ClosingStream(_stream(proxy, pending, (path, leg), ours, body, (decode, owes)),
+                             on_close=_never_streamed(proxy, pending, decode, owes),
+                             media_type="text/event-stream", headers=answer_headers)  # fmt: skip
     return await _whole(proxy, pending, (path, leg), ours, body, (decode, owes), answer_headers)
+
+
+def _never_streamed(proxy: Proxy, pending: Pending, *legs: asyncio.Future[Any]) -> Any:
+    """What a stream the server never started (the client gone before its headers went out) leaves to end."""
+    async def end() -> None:
+        if end_once(proxy, pending, asyncio.CancelledError()):
+            await stop_legs(*legs)
+    return end
 
 
 def ended_at_first(proxy: Proxy, pending: Pending, first: First, body: dict[str, Any],
@@ -131,7 +148,7 @@ async def _prefill(proxy: Proxy, pending: Pending, path: str, body: dict[str, An
             proxy.metrics.first_token.labels("failed").inc()
             return None, Response(response.content, response.status_code, headers=headers,
                                   media_type=response.headers.get("content-type"))  # fmt: skip
-        return first_of(response.json()), None
+        return first_of(read_json(response.content, "Prefill")), None
     except (EngineError, ValueError) as exc:
         status, kind = (exc.status, exc.kind) if isinstance(exc, EngineError) else (502, "prefill_failed")
         proxy.finish(pending, status, f"Prefill: {exc}", kind=kind)
@@ -139,16 +156,31 @@ async def _prefill(proxy: Proxy, pending: Pending, path: str, body: dict[str, An
         return None, error_answer(f"Prefill: {exc}", status, headers)
 
 
+async def _too_long(proxy: Proxy, pending: Pending, first: First, body: dict[str, Any],
+                   limits: asyncio.Future[Any] | None) -> Response | None:
+    """The client's 400 (vLLM's) when the prompt Prefill read plus ``max_tokens`` exceeds the model's
+    length on Decode, before the first token goes out; None when it fits or the length is unknown."""
+    try:
+        if limits is not None:  # the listings are shared: one request gone must not cancel them
+            await asyncio.shield(limits)
+    except BaseException as exc:
+        _ended_by(proxy, pending, exc)
+        raise
+    limit = proxy.model_lengths.limit(proxy.decode_pool, body.get("model"))
+    message = too_long(len(first.prompt_ids), body.get("max_tokens", DEFAULT_MAX_TOKENS), limit)
+    if message is None:
+        return None
+    proxy.metrics.first_token.labels("failed").inc()
+    proxy.finish(pending, 400, message, kind="refused")  # Prefill's ask for targets gets 410
+    return JSONResponse(error_body(message, "invalid_request_error", 400), 400,
+                        headers={"x-request-id": pending.headers["x-request-id"]})
+
+
 def _ended_by(proxy: Proxy, pending: Pending, exc: BaseException) -> None:
     """The request ends on an exception, unless it ended already: the client gone (499, cancelled)
     or a fault of the proxy's own (500, counted failed). Prefill's ask for targets gets 410."""
-    if pending.rid not in proxy.pending:
-        return
-    gone = isinstance(exc, asyncio.CancelledError)
-    if not gone:
+    if end_once(proxy, pending, exc) and not isinstance(exc, asyncio.CancelledError):
         proxy.metrics.first_token.labels("failed").inc()
-    proxy.finish(pending, 499 if gone else 500, "the client went away" if gone else f"proxy: {exc!r}",
-                 kind="cancelled" if gone else "proxy_failed")  # fmt: skip
 
 
 def _first_out(proxy: Proxy, pending: Pending) -> None:
@@ -201,7 +233,7 @@ async def _whole(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, A
             proxy.finish(pending, 200)
             return Response(data, 200, headers=headers, media_type="application/json")
         try:
-            answer = merged_body(first, json.loads(data), body)
+            answer = merged_body(first, read_json(data, "Decode"), body)
         except ValueError as exc:
             proxy.metrics.first_token.labels("failed").inc()
             proxy.finish(pending, 502, f"Decode: {exc}", kind="decode_failed")
@@ -250,19 +282,12 @@ async def _stream(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, 
             yield error_event(message, 502)
             return
         relayed = True
-        if first is None:
-            async for raw in proxy._relay(response, owes, pending, request):
+        if first is not None:
+            proxy.metrics.first_token.labels("continued").inc()
+        rewriter = None if first is None else StreamRewriter(first)
+        async with contextlib.aclosing(proxy._relay(response, owes, pending, request, rewriter)) as relay:
+            async for raw in relay:  # closed with this stream (the client gone): Decode's stream closes at once
                 yield raw
-            return
-        proxy.metrics.first_token.labels("continued").inc()
-        rewriter = StreamRewriter(first)
-        async for raw in proxy._relay(response, owes, pending, request):
-            out = rewriter.feed(raw)
-            if out:
-                yield out
-        rest = rewriter.flush()
-        if rest:
-            yield rest
     finally:
         if not relayed:
             for task in legs:

@@ -31,7 +31,7 @@ from rd2h.proxy.bodies import event
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "REASONS", "SAFE_FIELDS", "First", "StreamRewriter",
-    "decode_leg", "ends_at_first", "first_chunks", "first_of", "merged_body", "prefill_only_body",
+    "decode_leg", "ends_at_first", "first_chunks", "first_of", "merged_body", "prefill_only_body", "read_json",
     "splits_a_character", "why_not",
 ]  # fmt: skip
 
@@ -177,16 +177,54 @@ def prefill_only_body(first: First, body: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def read_json(data: bytes, who: str) -> Any:
+    """An engine's JSON answer; ValueError naming ``who`` when it is none (also one nested too deep to read)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{who} sent no JSON ({type(exc).__name__}): {data[:100]!r}") from None
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_choice(choice: Any, where: str) -> None:
+    """ValueError unless ``choice`` is a choice the proxy can merge: an object, its text a string
+    and its token ids lists of ints, where it has them."""
+    if not isinstance(choice, dict):
+        raise ValueError(f"{where}: a choice is not an object but {type(choice).__name__}")
+    if choice.get("text") is not None and not isinstance(choice["text"], str):
+        raise ValueError(f"{where}: its text is not a string but {type(choice['text']).__name__}")
+    for key in ("token_ids", "prompt_token_ids"):
+        if choice.get(key) is not None and not _int_list(choice[key]):
+            raise ValueError(f"{where}: its {key} is not a list of token ids: {str(choice[key])[:100]}")
+
+
+def _check_usage(usage: Any, where: str) -> None:
+    if usage is None:
+        return
+    if not isinstance(usage, dict) or not all(
+            usage.get(k) is None or (isinstance(usage[k], int) and not isinstance(usage[k], bool))
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens")):  # fmt: skip
+        raise ValueError(f"{where}: its usage is not token counts: {str(usage)[:100]}")
+
+
 def merged_body(first: First, decode: Any, body: dict[str, Any]) -> dict[str, Any]:
     """The whole (non-streamed) answer: Decode's, its text and tokens after the first, under
-    Prefill's id; ValueError when Decode's answer is not one choice."""
-    choices = decode.get("choices") if isinstance(decode, dict) else None
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise ValueError("Decode's answer is not one choice")
+    Prefill's id; ValueError naming what is wrong when Decode's answer is not one choice of
+    the shape an engine answers."""
+    if not isinstance(decode, dict):
+        raise ValueError(f"Decode's answer is not a JSON object but {type(decode).__name__}")
+    choices = decode.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1:
+        raise ValueError(f"Decode's answer is not one choice: its choices are {str(choices)[:100]}")
+    _check_choice(choices[0], "Decode's answer")
+    _check_usage(decode.get("usage"), "Decode's answer")
     answer = {**decode, "id": first.answer.get("id", decode.get("id")),
               "created": first.answer.get("created", decode.get("created"))}  # fmt: skip
     choice = dict(choices[0])
-    choice["text"] = first.text + str(choice.get("text") or "")
+    choice["text"] = first.text + (choice.get("text") or "")
     if _wants_ids(body):
         choice.update(prompt_token_ids=first.prompt_ids, token_ids=[first.token_id, *(choice.get("token_ids") or ())])
     answer["choices"] = [choice]
@@ -221,7 +259,8 @@ def first_chunks(first: First, body: dict[str, Any], *, last: bool) -> bytes:
 class StreamRewriter:
     """Decode's stream as the rest of one engine's: each event under Prefill's id, no prompt
     token ids (the first event carried them), usage counted as one engine counts. Events are
-    cut at blank lines across the raw chunks; what is not a JSON event passes unchanged."""
+    cut at blank lines across the raw chunks; what is not a data event passes unchanged, and a
+    data event that is not an engine's chunk is a ValueError (:meth:`feed`) naming what is wrong."""
 
     def __init__(self, first: First) -> None:
         self.first = first
@@ -237,22 +276,25 @@ class StreamRewriter:
         return rest
 
     def _rewrite(self, one: bytes) -> bytes:
+        """One event rewritten; ValueError naming what is wrong with a data event that is not an
+        engine's chunk (an error event passes as it is)."""
         if not one.startswith(b"data: ") or one == b"data: [DONE]":
+            return one + b"\n\n"  # not data (a comment, a field) or the end: as Decode sent it
+        chunk = read_json(one[6:], "Decode's stream (an event)")
+        if not isinstance(chunk, dict):
+            raise ValueError(f"Decode's stream: an event is not a JSON object but {type(chunk).__name__}")
+        if "error" in chunk:
             return one + b"\n\n"
-        try:
-            chunk = json.loads(one[6:])
-        except ValueError:
-            return one + b"\n\n"
-        if not isinstance(chunk, dict) or "error" in chunk:
-            return one + b"\n\n"
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            raise ValueError(f"Decode's stream: an event's choices are not a list: {str(choices)[:100]}")
+        for choice in choices:
+            _check_choice(choice, "Decode's stream")
+        _check_usage(chunk.get("usage"), "Decode's stream")
         for key in ("id", "created"):
             if key in self.first.answer and key in chunk:
                 chunk[key] = self.first.answer[key]
-        choices = chunk.get("choices")
-        if isinstance(choices, list):
-            chunk["choices"] = [{**c, "prompt_token_ids": None} if isinstance(c, dict) and c.get("prompt_token_ids")
-                                else c for c in choices]  # fmt: skip
+        chunk["choices"] = [{**c, "prompt_token_ids": None} if c.get("prompt_token_ids") else c for c in choices]
         if "usage" in chunk:
             chunk["usage"] = _usage(chunk["usage"])
         return event(chunk)
-

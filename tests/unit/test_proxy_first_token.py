@@ -15,6 +15,7 @@ import pytest
 from test_proxy import OPERATOR, SECRET, Split
 
 from rd2h.proxy import ProxyConfig, create_apps
+from rd2h.proxy.bodies import event
 from rd2h.proxy.first_token import (
     REASONS,
     StreamRewriter,
@@ -507,30 +508,76 @@ def test_a_prefill_that_times_out_or_refuses_before_the_first_token_ends_the_req
     run(scenario)
 
 
-def test_a_decode_answer_the_proxy_cannot_read_ends_the_request_and_prefill_hears_no_targets_come() -> None:
+MALFORMED = {  # what Decode may send that is not an engine's answer, and what the client is told of it
+    "not_an_object": (lambda e: [e], "not a JSON object but list"),
+    "choices_not_a_list": (lambda e: {**e, "choices": {"0": e["choices"][0]}}, "not one choice"),
+    "text_not_a_string": (lambda e: {**e, "choices": [{**e["choices"][0], "text": 5}]}, "text is not a string"),
+    "token_ids_not_a_list": (lambda e: {**e, "choices": [{**e["choices"][0], "token_ids": 5}]}, "token_ids is not"),
+    "usage_not_counts": (lambda e: {**e, "usage": {"prompt_tokens": "4"}}, "usage is not token counts"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("shape", sorted(MALFORMED))
+def test_a_decode_answer_of_another_shape_is_a_502_naming_it_not_a_proxy_fault(shape: str, stream: bool) -> None:
+    """It comes from an engine: a clear 502 (an error event after the first token when streamed),
+    counted as Decode's failure, and Prefill's ask was answered (Decode had its KV)."""
+    change, said = MALFORMED[shape]
+    if stream and shape == "choices_not_a_list":
+        said = "choices are not a list"
+
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
         async def odd(request: httpx.Request) -> httpx.Response:
             answer = await engines(request)
-            if request.url.host == "decode" and request.method == "POST":
-                body = answer.json()
-                body["choices"][0]["token_ids"] = 5  # not a list: merging it raises TypeError
-                return httpx.Response(200, json=body)
-            return answer
+            if request.url.host != "decode" or request.method != "POST":
+                return answer
+            if not stream:
+                return httpx.Response(200, json=change(answer.json()))
 
-        proxy = engines_as(client, odd)
-        from rd2h.proxy.first_flow import first_token_answer
+            async def mangled() -> Any:
+                async for raw in answer.stream:  # type: ignore[union-attr]
+                    yield raw if raw == b"data: [DONE]\n\n" else event(change(json.loads(raw[6:])))
 
-        with pytest.raises(TypeError):
-            await first_token_answer(proxy, "/v1/completions", {**GREEDY, "return_token_ids": True},
-                                     {"x-request-id": "r"}, time.monotonic())  # fmt: skip
-        assert (await client.get("/health")).json()["pending"] == 0
+            return httpx.Response(200, content=mangled(), headers={"content-type": "text/event-stream"})
+
+        engines_as(client, odd)
+        answer = await client.post("/v1/completions", json={**GREEDY, "return_token_ids": True, "stream": stream})
+        if stream:  # the first token went out with the headers: an error event follows, no [DONE]
+            got = events(answer.content)
+            assert got[0]["choices"][0]["text"] == "A" and len(got) == 2 and "error" in got[-1]
+            message = got[-1]["error"]["message"]
+        else:
+            assert answer.status_code == 502, answer.text
+            message = answer.json()["error"]["message"]
+        assert message.startswith("Decode") and said in message, message
         record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
-        assert record["status"] == 500 and "TypeError" in record["error"]
+        assert record["status"] == 502 and record["error"] == message
         scrape = (await client.get("/metrics")).text
-        assert metric(scrape, 'rd2h_proxy_errors_total{kind="proxy_failed"}') == 1
-        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 1
+        assert metric(scrape, 'rd2h_proxy_errors_total{kind="decode_failed"}') == 1
+        assert metric(scrape, 'rd2h_proxy_errors_total{kind="proxy_failed"}') == 0
+        assert (await client.get("/health")).json()["pending"] == 0
+        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code == 200
 
     run(scenario)
+
+
+@pytest.mark.parametrize("decode", [
+    [{"choices": []}], {"choices": [{"text": "B"}, {"text": "C"}]}, {"choices": ["B"]},
+    {"choices": [{"text": ["B"]}]}, {"choices": [{"text": "B", "token_ids": [8, "9"]}]},
+    {"choices": [{"text": "B", "token_ids": [True]}]}, {"choices": [{"text": "B"}], "usage": [1]},
+])  # fmt: skip
+def test_merging_an_answer_of_another_shape_is_a_value_error(decode: Any) -> None:
+    with pytest.raises(ValueError, match="^Decode's answer"):
+        merged_body(first_of(prefill_answer()), decode, {**GREEDY, "return_token_ids": True})
+
+
+@pytest.mark.parametrize("raw", [
+    b"data: [1]\n\n", b"data: {\"choices\": 5}\n\n", b"data: {\"choices\": [5]}\n\n",
+    b"data: {\"choices\": [{\"text\": 5}]}\n\n", b"data: not json\n\n", b"data: " + b"[" * 100_000 + b"\n\n",
+])  # fmt: skip
+def test_rewriting_an_event_of_another_shape_is_a_value_error(raw: bytes) -> None:
+    with pytest.raises(ValueError, match="^Decode's stream"):
+        StreamRewriter(first_of(prefill_answer())).feed(raw)
 
 
 def test_a_proxy_fault_before_the_first_token_is_counted_a_failure_not_a_client_gone() -> None:
