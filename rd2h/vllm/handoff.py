@@ -14,7 +14,11 @@ secret it shares with the Decodes (the proxy's secret, :mod:`rd2h.vllm.vouch`), 
 than it holds the blocks; Decode refuses unsigned, altered or stale ones and those of another
 prompt (a digest of the prompt's token ids is signed). Decode's ask is signed too, and a held
 request is sent once: to the first valid ask, within the hold time. After it the blocks are
-freed and the request counted (``hold_expired``).
+freed and the request counted (``hold_expired``). A Decode that loads none of it (its prefix
+cache has every token; vLLM gave the load to another connector, or aborted the request first)
+sends a *release* instead, signed like an ask: the blocks are freed at once
+(``handoff_released``). A release of a request already claimed (being sent), expired or
+released is refused and counted as a refused ask; it never frees blocks being sent.
 
 This module is the pure part: the params Prefill returns and Decode accepts, the ask, and
 the :class:`HoldTable` each Prefill rank keeps (every method under one lock: the listener
@@ -38,11 +42,12 @@ from rd2h.wire.endpoint import DecodeEndpoint
 
 __all__ = [
     "HANDOFF_LEG", "ASK_LEG", "Handoff", "Ask", "Held", "HoldTable", "prompt_digest", "handoff_params",
-    "accept_handoff", "ask_fields", "accept_ask", "ask_urls",
+    "accept_handoff", "ask_fields", "release_fields", "accept_ask", "ask_urls",
 ]  # fmt: skip
 
 HANDOFF_LEG = "handoff"  # Prefill's answer: what Decode may ask for, and where
 ASK_LEG = "ask"  # Decode's ask to a Prefill rank
+RELEASE_LEG = "release"  # Decode's word that it loads none of a held request: free it now
 MAX_ASK_BYTES = 64 * 1024  # an ask is a few hundred bytes
 _RECENT = 4096  # ids settled lately (sent or expired): a late ask is told so, not "try again"
 
@@ -60,10 +65,11 @@ class Handoff:
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """A Decode's valid ask: pull ``ext_id`` into ``endpoint`` from ``first_block`` on."""
+    """A Decode's valid ask: pull ``ext_id`` into ``endpoint`` from ``first_block`` on; a
+    release (``endpoint`` None): free ``ext_id``'s blocks, nothing is pulled."""
 
     ext_id: str
-    endpoint: DecodeEndpoint
+    endpoint: DecodeEndpoint | None
     first_block: int
     num_tokens: int
 
@@ -154,14 +160,21 @@ def ask_fields(secret: bytes, ext_id: str, endpoint: str, first_block: int, num_
     return sign(secret, fields, now)
 
 
+def release_fields(secret: bytes, ext_id: str, num_tokens: int, now: float) -> dict:
+    return sign(secret, {"leg": RELEASE_LEG, "id": ext_id, "num_tokens": num_tokens}, now)
+
+
 def accept_ask(secret: bytes, raw: bytes, now: float) -> Ask:
-    """Prefill: a Decode's ask from its bytes; ValueError naming what is wrong."""
+    """Prefill: a Decode's ask (or release) from its bytes; ValueError naming what is wrong."""
     if len(raw) > MAX_ASK_BYTES:
         raise ValueError(f"an ask of {len(raw)} bytes (at most {MAX_ASK_BYTES})")
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not JSON: {exc}") from None
+    if isinstance(body, dict) and body.get("leg") == RELEASE_LEG:  # what the signature covers decides
+        fields = _verified(secret, body, now, RELEASE_LEG)
+        return Ask(fields["id"], None, 0, _int(fields, "num_tokens", 1, 1 << 30))
     fields = _verified(secret, body, now, ASK_LEG)
     if not isinstance(fields.get("endpoint"), str):
         raise ValueError(f"'endpoint' must be a string, got {fields.get('endpoint')!r}")
@@ -174,18 +187,19 @@ def accept_ask(secret: bytes, raw: bytes, now: float) -> Ask:
 
 class HoldTable:
     """One Prefill rank's held requests. ``answer`` runs on the listener's thread; ``hold``,
-    ``take_claimed``, ``expire`` and ``wait`` on vLLM's worker thread."""
+    ``take_claimed``, ``take_freed``, ``expire`` and ``wait`` on vLLM's worker thread."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._held: dict[str, Held] = {}
         self._claimed: list[tuple[Held, Ask]] = []
+        self._released: list[Held] = []  # released by their Decode: the worker frees them
         self._recent: OrderedDict[str, str] = OrderedDict()  # ext id -> what became of it
-        self.counts = {"asked": 0, "refused": 0, "expired": 0}
+        self.counts = {"asked": 0, "refused": 0, "expired": 0, "released": 0}
 
     def __len__(self) -> int:
         with self._cond:
-            return len(self._held) + len(self._claimed)
+            return len(self._held) + len(self._claimed) + len(self._released)
 
     def hold(self, held: Held) -> None:
         with self._cond:
@@ -194,7 +208,7 @@ class HoldTable:
     def answer(self, secret: bytes, raw: bytes, now: float, mono: float) -> dict[str, Any]:
         """The reply to one ask: ``{"id", "ok": true}`` (claimed: it will be announced),
         ``{"id", "retry": why}`` (not held yet: the step that holds it may not have run), or
-        ``{"id", "error": why}``. Never raises."""
+        ``{"id", "error": why}``; to a release, ``ok`` once it is freed. Never raises."""
         try:
             ask = accept_ask(secret, raw, now)
         except ValueError as exc:
@@ -205,18 +219,31 @@ class HoldTable:
             held = self._held.get(ask.ext_id)
             if held is None:
                 fate = self._recent.get(ask.ext_id)
-                return {"id": ask.ext_id, "retry": "not held yet"} if fate is None else {"id": ask.ext_id, "error": fate}
+                if fate is None:
+                    return {"id": ask.ext_id, "retry": "not held yet"}
+                if ask.endpoint is None:  # a release of what was sent or freed: refused, frees nothing
+                    self.counts["refused"] += 1
+                return {"id": ask.ext_id, "error": fate}
             if mono > held.deadline:  # the worker frees it on its next step
                 return {"id": ask.ext_id, "error": "its hold expired; the blocks are freed"}
             if ask.num_tokens != held.num_tokens:
                 self.counts["refused"] += 1
                 return {"id": ask.ext_id, "error": f"asked for {ask.num_tokens} tokens, {held.num_tokens} held"}
             del self._held[ask.ext_id]
+            if ask.endpoint is None:
+                return self._release(held)
             self._settled(ask.ext_id, "already sent to the Decode that asked first")
             self._claimed.append((held, ask))
             self.counts["asked"] += 1
             self._cond.notify_all()
             return {"id": ask.ext_id, "ok": True}
+
+    def _release(self, held: Held) -> dict[str, Any]:
+        self._settled(held.ext_id, "released by a Decode that loads none of it; the blocks are freed")
+        self._released.append(held)
+        self.counts["released"] += 1
+        self._cond.notify_all()
+        return {"id": held.ext_id, "ok": True}
 
     def take_claimed(self) -> list[tuple[Held, Ask]]:
         with self._cond:
@@ -233,10 +260,19 @@ class HoldTable:
             self.counts["expired"] += len(gone)
             return gone
 
-    def wait(self, timeout: float) -> bool:
-        """Block until an ask was claimed (``timeout`` seconds at most); whether one was."""
+    def take_freed(self, mono: float) -> list[tuple[Held, str]]:
+        """Held requests whose blocks may be freed now, removed, each with why (a local reason):
+        ``hold_expired`` (past its deadline) or ``handoff_released`` (its Decode released it)."""
+        expired = self.expire(mono)
         with self._cond:
-            return self._cond.wait_for(lambda: bool(self._claimed), timeout)
+            released, self._released = self._released, []
+        return [(h, "hold_expired") for h in expired] + [(h, "handoff_released") for h in released]
+
+    def wait(self, timeout: float) -> bool:
+        """Block until an ask was claimed or a hold released (``timeout`` seconds at most);
+        whether one was."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._claimed or self._released), timeout)
 
     def next_deadline(self) -> float | None:
         with self._cond:

@@ -13,6 +13,14 @@ counts it (``nothing_to_pull``: ``vllm:rd2h_local_recomputes_total{reason="nothi
 A proxy that knows the field counts the prompt as heard and, when every prompt of the request
 loads nothing, sends no Prefill leg (or cancels the one sent at once); an older proxy refuses
 it (403, no endpoint: ``rendezvous_refused``) and behaves as before.
+
+vLLM's P/D convention (:mod:`rd2h.vllm.handoff`): Prefill holds a finished request's blocks until
+a Decode asks for them. A Decode that claimed the hand-off and loads none of it (its prefix cache
+has every loadable token; or it never asks: vLLM gave the load to another connector, or the
+request ended before its allocation) sends every Prefill rank a signed release instead, so that
+the blocks are freed at once, not at ``hold_timeout`` (Prefill counts ``handoff_released``). The
+first case is also counted here as ``nothing_to_pull``; a release Prefill refused or never
+answered is logged and counted in ``stats["release_failed"]`` (it then frees at hold_timeout).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rd2h.vllm.handoff import Handoff, ask_urls, release_fields
 from rd2h.vllm.vouch import sign
 
 __all__ = ["NOTHING_REASONS", "NothingToPull", "nothing_body"]
@@ -49,6 +58,50 @@ class NothingToPull:
     _claimed: dict[str, str]
     _said_nothing: dict[str, None]  # oldest first, at most _REMEMBERED
     _refuse: Any  # the scheduler's: logged and counted in ``refused_params``
+    _asker: Any  # Decode's HandoffAsker, made on first use
+    _releasing: dict[str, str]  # ext id -> the req id whose release is out
+    _handoffs: dict[str, Handoff]  # req id -> the hand-off it claimed, not yet asked for
+
+    def _handoff_asker(self) -> Any:
+        if self._asker is None:
+            from rd2h.vllm.handoff_net import HandoffAsker
+
+            self._asker = HandoffAsker(timeout=self.config.handoff_timeout)
+        return self._asker
+
+    def _release_handoff(self, request: Any, handoff: Handoff, *, nothing: bool) -> tuple[int, bool]:
+        """``request`` claimed ``handoff`` and will not pull it (``nothing``: it loads none of its
+        prompt, counted in ``nothing_to_pull``): its claim is dropped, its ``do_remote_prefill``
+        consumed (a preempted request never asks later) and every Prefill rank told to free the
+        held blocks now. ``(0, False)``: the request is computed here."""
+        req_id, ext_id = request.request_id, handoff.ext_id
+        self._handoffs.pop(req_id, None)  # matched before: not asked for, nor released again
+        if self._claims.get(ext_id) == req_id:
+            del self._claims[ext_id]
+        self._claimed.pop(req_id, None)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        request.kv_transfer_params = {**params, "do_remote_prefill": False}
+        if nothing:
+            self.stats["nothing_to_pull"] += 1
+        self.stats["handoff_released"] += 1
+        log.info("request %s: Decode loads none of hand-off %s; every Prefill rank is told to free its blocks "
+                 "(%d such releases so far)", req_id, ext_id, self.stats["handoff_released"])  # fmt: skip
+        self._releasing[ext_id] = req_id
+        body = release_fields(self._secret, ext_id, handoff.num_tokens, self._clock())
+        self._handoff_asker().submit(ext_id, ask_urls(handoff), body)
+        return 0, False
+
+    def _release_answered(self, ext_id: str, error: str | None) -> bool:
+        """Whether ``ext_id``'s answer was a release's (a failed one logged and counted)."""
+        req_id = self._releasing.pop(ext_id, None)
+        if req_id is None:
+            return False
+        if error is not None:
+            self.stats["release_failed"] += 1
+            log.warning("request %s: the release of hand-off %s failed (%s); Prefill frees its blocks at its "
+                        "hold_timeout (%d failed releases so far)", req_id, ext_id, error,
+                        self.stats["release_failed"])  # fmt: skip
+        return True
 
     def _told_nothing(self, ext_id: str) -> bool:
         """The proxy was told lately that ``ext_id`` loads nothing: a later claim of it (a replay of

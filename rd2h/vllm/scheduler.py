@@ -16,10 +16,10 @@ back from every worker (their summed :class:`~rd2h.vllm.metadata.WorkerReport`) 
 rendezvous posted to the configured metaserver (never a URL a request names): Prefill must
 not announce what Decode does not expect.
 
-Prefill (``kv_producer``): a ``do_remote_decode`` request's source blocks are sent to the
-workers as vLLM allocates them, once per Decode request it serves (one per sample of ``n``), with the prompt tokens cached after each step;
-``request_finished`` keeps the blocks until the workers report the request finished-sending,
-which they do once every Decode rank replied (also for aborted requests).
+Prefill (``kv_producer``): a ``do_remote_decode`` request's source blocks are sent to the workers as vLLM allocates
+them, once per Decode request it serves (one per sample of ``n``), with the prompt tokens cached after each step;
+``request_finished`` keeps the blocks until the workers report the request finished-sending, which they do once every
+Decode rank replied (also for aborted requests).
 
 vLLM's own P/D convention (its example proxy; :mod:`rd2h.vllm.handoff`): a Prefill asked with
 ``do_remote_decode`` and no rd2h fields computes the request, holds its blocks when it
@@ -28,7 +28,7 @@ given those claims the id, and once every worker expects it asks every Prefill r
 of posting a rendezvous). A hand-off that cannot happen is logged and counted: refused params
 (``refused_params``), a Prefill without ``handoff_port`` (``no_handoff``), an ask refused or
 unanswered (``handoff_failed``: the pull is stopped and vLLM's ``kv_load_failure_policy``
-decides, ``recompute`` computes it here).
+decides, ``recompute`` computes it here). A Decode that loads none of it releases the hold (nothing.py).
 
 Several KV cache groups (``dense``, the hybrid allocator): Decode loads all prompt tokens but the last
 (:mod:`rd2h.vllm.kv_groups`); Prefill sends every group's blocks at once. Decode fields with ``tail``: the
@@ -134,11 +134,11 @@ class RD2HScheduler(LateSends, NothingToPull):
         self._asker = asker  # Decode's asks to Prefill ranks (vLLM's convention), made on first use
         self._handoffs: dict[str, Handoff] = {}  # req id -> the hand-off it claimed (Decode)
         self._asked: dict[str, str] = {}  # ext id -> the req id whose asks are out (Decode)
+        self._releasing: dict[str, str] = {}  # ext id -> the req id whose release is out (Decode, nothing.py)
         self._used: OrderedDict[str, None] = OrderedDict()  # hand-off ids claimed lately (Decode)
         self._hold_new: list[HoldSpec] = []  # held at request_finished, for the next step (Prefill)
         self._poster = poster if poster is not None or not consumer else RendezvousPoster(
-            retries=config.metaserver_retries
-        )
+            retries=config.metaserver_retries)  # fmt: skip
         self._recv: dict[str, _Recv] = {}  # req id -> waiting for KV
         self._claims: dict[str, str] = {}  # ext id -> the live req id pulling it (Decode)
         self._claimed: dict[str, str] = {}  # the reverse: req id -> its ext id
@@ -155,7 +155,7 @@ class RD2HScheduler(LateSends, NothingToPull):
             "pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0, "refused_params": 0,
             "samples_from_prefix_cache": 0, "samples_computed_here": 0,
             "held": 0, "no_handoff": 0, "handoffs": 0, "handoff_failed": 0, "late_targets": 0, "targets_failed": 0,
-            "nothing_to_pull": 0,
+            "nothing_to_pull": 0, "handoff_released": 0, "release_failed": 0,
         }  # fmt: skip
 
     # -- Decode --------------------------------------------------------------------------
@@ -223,20 +223,21 @@ class RD2HScheduler(LateSends, NothingToPull):
                      handoff.ext_id)  # fmt: skip
             return 0, False
         self._claim(req_id, handoff.ext_id)
-        self._handoffs[req_id] = handoff
         self._used[handoff.ext_id] = None
         while len(self._used) > 4096:
             self._used.popitem(last=False)
         count = self._loaded(len(tokens)) - num_computed
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:  # its prefix cache has it all: Prefill frees the held blocks now (nothing.py)
+            return self._release_handoff(request, handoff, nothing=True)
+        self._handoffs[req_id] = handoff  # until allocated with its KV (then asked) or released
+        return count, True
 
     def _loaded(self, prompt_tokens: int) -> int:
         """The prompt tokens Decode loads: all, or all but the last with several groups."""
         return transfer_tokens(prompt_tokens) if self._whole else prompt_tokens
 
     def _claim(self, req_id: str, ext_id: str) -> bool:
-        """Claim ``ext_id`` for ``req_id``; False (logged, counted: the request is computed here)
-        when another live request holds it (a replay of the same signed fields)."""
+        """Claim ``ext_id`` for ``req_id``; False (logged, counted) when a live request holds it (a replay)."""
         holder = self._claims.setdefault(ext_id, req_id)
         if holder != req_id:
             self._refuse(req_id, f"id {ext_id} is already pulled by live request {holder}")
@@ -270,7 +271,7 @@ class RD2HScheduler(LateSends, NothingToPull):
             "decode_tp": self.endpoint.tp_size, "block_size": self.block_sizes[0], "mode": self.config.mode.value,
             "on_load_failure": self._load_failure_policy,
         }  # fmt: skip
-        handoff = self._handoffs.get(request.request_id)
+        handoff = self._handoffs.pop(request.request_id, None)
         if handoff is not None:  # asked from Prefill's ranks, signed when the asks go out
             body = {"endpoint": str(self.endpoint), "first_block": first_block, "num_tokens": num_tokens}
         self._recv[request.request_id] = _Recv(ext_id, body, handoff=handoff)
@@ -298,23 +299,20 @@ class RD2HScheduler(LateSends, NothingToPull):
     def _ask(self, recv: _Recv) -> None:
         """vLLM's convention: every Prefill rank is asked to announce the held request here."""
         assert recv.handoff is not None
-        if self._asker is None:
-            from rd2h.vllm.handoff_net import HandoffAsker
-
-            self._asker = HandoffAsker(timeout=self.config.handoff_timeout)
         self.stats["handoffs"] += 1
         body = recv.body
         fields = ask_fields(self._secret, recv.ext_id, body["endpoint"], body["first_block"], body["num_tokens"],
                             self._clock())  # fmt: skip
         self._asked[recv.ext_id] = self._claims[recv.ext_id]
-        self._asker.submit(recv.ext_id, ask_urls(recv.handoff), fields)
+        self._handoff_asker().submit(recv.ext_id, ask_urls(recv.handoff), fields)
 
     def _handoff_results(self) -> None:
-        """A hand-off that cannot happen stops the pull: the workers report the request failed,
-        and vLLM's kv_load_failure_policy recomputes it here (``recompute``) or fails it."""
+        """A hand-off that cannot happen stops the pull (failed: vLLM's kv_load_failure_policy applies)."""
         if self._asker is None:
             return
         for ext_id, error in self._asker.results():
+            if self._release_answered(ext_id, error):  # a release's answer (nothing.py)
+                continue
             req_id = self._asked.pop(ext_id, None)
             if error is None or req_id is None or req_id not in self._recv:
                 continue
@@ -427,7 +425,7 @@ class RD2HScheduler(LateSends, NothingToPull):
         if claimed is not None:
             del self._claims[claimed]
             self._landed.discard(claimed)
-        self._handoffs.pop(req_id, None)
+        handoff = self._handoffs.pop(req_id, None)  # claimed, never allocated with its KV: released
         recv = self._recv.pop(req_id, None)
         if recv is not None:  # finished while its KV was awaited: stop the pull
             if recv.handoff is not None:
@@ -440,6 +438,8 @@ class RD2HScheduler(LateSends, NothingToPull):
             # vLLM itself holds the blocks of a WAITING_FOR_REMOTE_KVS request until the
             # workers report it finished-receiving, which they do once the pull stopped.
             return False, None
+        if handoff is not None:
+            self._release_handoff(request, handoff, nothing=False)
         params = _params(request)
         if self.producer and params.get("do_remote_decode") and PARAMS_KEY not in params:
             return self._hold(request, block_ids)

@@ -277,11 +277,13 @@ _BY_LABEL = (
         "transferred: refused_params (unsigned, altered, stale or replayed rd2h fields), samples_computed_here "
         "(n > 1 on a Decode without prefix caching), no_handoff (vLLM's P/D convention asked of a Prefill without "
         "handoff_port), handoff_failed (Decode: a Prefill refused or did not answer the ask), hold_expired "
-        "(Prefill, per TP rank: held blocks nobody asked for in time, freed), load_not_taken (Decode: vLLM "
+        "(Prefill, per TP rank: held blocks nobody asked for in time, freed), handoff_released (Prefill, per TP "
+        "rank: held blocks freed at once, their Decode loading none of them), load_not_taken (Decode: vLLM "
         "gave the load to another connector listed before rd2h under MultiConnector, or dropped it), state_uncut "
         "(Prefill of a Mamba model: a prompt not computed short of its last token, e.g. one token, is not sent), "
         "nothing_to_pull (Decode: nothing of the prompt to load, a one-token prompt with several KV cache groups or "
-        "every loadable token in its prefix cache; the proxy is told so and sends no Prefill leg for it), "
+        "every loadable token in its prefix cache; the proxy is told so and sends no Prefill leg for it, or under "
+        "vLLM's P/D convention Prefill is told to free the held blocks), "
         "scheduler_error (rd2h's scheduler raised matching the request, a bug: served without rd2h; "
         "also in hook_errors).",
     ),

@@ -41,6 +41,8 @@ from rd2h.wire.endpoint import DecodeEndpoint
 __all__ = ["RD2HWorker", "split_layers"]
 
 log = logging.getLogger("rd2h.vllm.worker")
+_FREED = {"hold_expired": "was held for hold_timeout and nobody asked for it",
+          "handoff_released": "was released by its Decode, which loads none of it"}
 
 IDLE_WAIT_SECONDS = 0.01  # the longest an idle step waits for a transfer to end (see _wait_when_idle)
 
@@ -219,13 +221,12 @@ class RD2HWorker:
 
     def _serve_handoffs(self) -> None:
         """Announce every layer of the held requests a Decode asked for (their KV is written:
-        vLLM finished them); free those nobody asked for within hold_timeout."""
+        vLLM finished them); free those nobody asked for within hold_timeout, or a Decode released."""
         table = self.handoff.table
-        for held in table.expire(time.monotonic()):
-            self.tally.local("hold_expired")
-            log.warning("Prefill rank %d: request %s (%s) was held %g s and nobody asked for it; its blocks are "
-                        "freed (%d so far)", self.rank, held.req_id, held.ext_id, self.config.hold_timeout,
-                        table.counts["expired"])  # fmt: skip
+        for held, reason in table.take_freed(time.monotonic()):
+            self.tally.local(reason)
+            log.log(logging.WARNING if reason == "hold_expired" else logging.INFO, "Prefill rank %d: request %s (%s) "
+                    "%s; its blocks are freed (%s)", self.rank, held.req_id, held.ext_id, _FREED[reason], reason)
             self._finished_sending.add(held.req_id)
         computed = {}
         for held, ask in table.take_claimed():

@@ -20,6 +20,7 @@ from rd2h.vllm.handoff import (
     ask_urls,
     handoff_params,
     prompt_digest,
+    release_fields,
 )
 from rd2h.vllm.handoff_net import HandoffAsker, HandoffListener
 from rd2h.vllm.vouch import sign
@@ -118,6 +119,31 @@ def test_a_hold_expires_and_a_late_ask_is_told_so() -> None:
     (gone,) = table.expire(11.0)
     assert gone.req_id == "cmpl-1" and table.counts["expired"] == 1
     assert "expired" in table.answer(SECRET, ask(), time.time(), 12.0)["error"]
+
+
+def release(secret: bytes = SECRET, ext_id: str = EXT, tokens: int = 100) -> bytes:
+    return json.dumps(release_fields(secret, ext_id, tokens, time.time())).encode()
+
+
+def test_a_release_frees_a_held_request_at_once_and_only_an_unsent_one() -> None:
+    table = HoldTable()
+    table.hold(held())
+    table.hold(held(ext_id="cd" * 16))
+    assert table.answer(SECRET, release(OTHER), time.time(), 0.0)["error"].startswith("ask refused")  # forged
+    assert table.answer(SECRET, release(tokens=99), time.time(), 0.0)["error"] == "asked for 99 tokens, 100 held"
+    assert table.counts["refused"] == 2 and table.take_freed(0.0) == []  # nothing freed by them
+    assert table.answer(SECRET, release(), time.time(), 0.0) == {"id": EXT, "ok": True}
+    assert table.wait(0.0)  # an idle worker wakes for it
+    ((freed, why),) = table.take_freed(0.0)
+    assert (freed.req_id, why, table.counts["released"]) == ("cmpl-1", "handoff_released", 1)
+    assert "released" in table.answer(SECRET, release(), time.time(), 0.0)["error"]  # again: refused, counted
+    assert "released" in table.answer(SECRET, ask(), time.time(), 0.0)["error"]  # an ask finds nothing to send
+    assert table.counts["refused"] == 3
+    # being sent: a release (a replay, or a second Decode) never frees the blocks a send reads
+    assert table.answer(SECRET, ask(ext_id="cd" * 16), time.time(), 0.0)["ok"] is True
+    assert "already sent" in table.answer(SECRET, release(ext_id="cd" * 16), time.time(), 0.0)["error"]
+    assert table.counts["refused"] == 4 and table.take_freed(0.0) == [] and len(table.take_claimed()) == 1
+    assert table.answer(SECRET, release(ext_id="ef" * 16), time.time(), 0.0)["retry"] == "not held yet"
 
 
 @pytest.fixture
