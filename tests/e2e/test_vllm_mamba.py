@@ -11,6 +11,7 @@ the attention blocks of those tokens and computes the last token itself.
 Decode's tokens equal one engine's for prompts of several lengths (short, over one attention
 block, chunked over several Prefill steps), sent as one prompt list and as concurrent
 requests; Decode's metrics count every prompt token but the last as external transfer; the
+same through ``--prefill-at-once`` (Prefill computes before Decode's rendezvous); the
 negative control (Decode overwrites the blocks it received with noise, the Mamba state among
 them) shows the tokens depend on the state moved.
 """
@@ -75,6 +76,28 @@ def test_mamba_hybrid_equals_one_engine(mamba_cluster: Any) -> None:
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         answers = list(pool.map(lambda p: complete(mamba_cluster.url("proxy"), p, timeout=300), PROMPTS))
     assert [a[0] for a in answers] == baseline
+
+
+def test_mamba_hybrid_with_prefill_at_once(mamba_cluster: Any) -> None:
+    """``rd2h proxy --prefill-at-once``: Prefill computes before Decode's rendezvous, cuts its
+    prompt short of the last token all the same, and sends the state once its targets come."""
+    mamba_cluster.ensure(prefill=ENGINE, decode=ENGINE)
+    prompts = [f"{p} at once" for p in PROMPTS]
+    baseline = complete(mamba_cluster.url("prefill"), prompts, timeout=600)
+    decode = mamba_cluster.url("decode")
+    external = metric(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    mamba_cluster.remove("proxy")
+    mamba_cluster._proxy("proxy", ["decode"], "--prefill-at-once")
+    try:
+        assert complete(mamba_cluster.url("proxy"), prompts, timeout=300) == baseline
+        record = last_record(mamba_cluster)
+        assert record["status"] == 200 and "targets_asked" in record["t"] and "targets_sent" in record["t"], record
+        lengths = [c["num_tokens"] for c in record["children"]]
+        moved = metric(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - external
+        assert moved == sum(lengths) - len(prompts)  # every prompt token but the last, as in the sequential flow
+    finally:
+        mamba_cluster.remove("proxy")
+        mamba_cluster._proxy("proxy", ["decode"])
 
 
 def test_mamba_hybrid_negative_control(mamba_cluster: Any) -> None:
