@@ -15,8 +15,7 @@ the storage slots in a :class:`~rd2h.prefill.gate.SlotGate`. A background sender
 layer's event, asks the tracker what to send, sends it, and feeds every reply back; a layer written without an event is
 announced on the caller's thread when the dialer allows it (``Dialer.concurrent_send``), and a caller waiting for its
 slots reads the replies itself (:mod:`rd2h.prefill.reply_turn`). Whichever thread records frames in the tracker
-queues them in one outbox per Decode endpoint, written in the tracker's order by that endpoint's writer, so a Decode
-that does not read delays no other (:mod:`rd2h.prefill.send_order`). A
+writes them in the same turn, so they reach the dialer in the tracker's order (:mod:`rd2h.prefill.send_order`). A
 Decode endpoint that does not reply within ``reply_timeout`` (on the injectable ``clock``) is abandoned: its slots are
 released and the requests it held fail with ReplyTimeout. Failures belong to the requests they hit: the compute path
 is never handed another request's error. Endpoints no request uses are closed and forgotten after a bound
@@ -73,7 +72,6 @@ class _Task:
 
 _STOP = object()
 _SLOW_SECONDS = 1.0  # a layer that waits longer for the sender thread is logged
-_CLOSE_WRITES_SECONDS = 5.0  # on close, what is queued gets this long to be written (each send is bounded too)
 _IGNORED = {  # what the tracker absorbed (its counter) -> what the warning says
     "malformed": "dropped a malformed reply",
     "stray": "dropped a reply that answers no readiness in flight (late, duplicate or unknown)",
@@ -96,10 +94,9 @@ class Source:
     physical buffer share its base addresses, and the slot gate keys on those. ``block_size`` is tokens per main
     block, ``indexer_block_size`` per indexer block (None: the same). The engine, dialer and sender thread belong to
     the source. ``inline_announce``: a layer whose KV is written (``layer_ready`` without an event) is announced on
-    the calling thread when the dialer allows concurrent sends and no earlier layer is queued (each Decode's frames
-    are then written by a thread of its own); False announces everything from the sender thread.
-    ``caller_reads_replies``: ``wait_for_layer_send`` reads Decode's replies on the calling thread (with
-    ``concurrent_send``; :mod:`rd2h.prefill.reply_turn`); False: the sender's only.
+    the calling thread when the dialer allows concurrent sends and no earlier layer is queued; False sends
+    everything from the sender thread. ``caller_reads_replies``: ``wait_for_layer_send`` reads Decode's replies on
+    the calling thread (with ``concurrent_send``; :mod:`rd2h.prefill.reply_turn`); False: the sender's only.
     ``reuse_slots``: logical layers share physical buffers, so a layer waits for its slots (``wait_for_layer_send``)
     until every Decode endpoint answered the layer that used them last. False where every block stays the request's
     until it is finished (vLLM's paged cache): nothing waits, and a layer may be announced again (next step, other
@@ -167,7 +164,7 @@ class Source:
         self._lock = threading.Condition()  # guards the tracker; notified when requests settle
         self._gate: SlotGate | None = SlotGate() if reuse_slots else None
         self._step, _ = self._tracker.schedule({}, clock())
-        self._sends = SendOrder(  # what a tracker call records is written per endpoint, in its order
+        self._sends = SendOrder(  # what a tracker call records is written in the same turn, in its order
             rank=rank, dialer=dialer, tracker=self._tracker, lock=self._lock, clock=clock, quiet=self._quiet,
             meta_frame=meta_frame, released=self._release_slots,
         )
@@ -367,7 +364,6 @@ class Source:
             if self._thread.is_alive():
                 log.error("Prefill rank %d: sender did not stop; closing under it", self.rank)
             self._thread = None
-        self._sends.close(_CLOSE_WRITES_SECONDS)  # the last notices leave before the dialer closes
         self._dialer.close()
         self._engine.close()
 
@@ -433,19 +429,15 @@ class Source:
         except Exception as exc:
             self._unannounced(layer_idx, layer_name, step, exc)
             return
-        with self._lock:
-            try:  # raises before it changes anything
-                endpoints, effects = self._tracker.announce(step, layer_idx, layer_name, self._clock())
+        with self._sends.turn:  # recorded and written in one turn: see rd2h.prefill.send_order
+            try:
+                with self._lock:  # raises before it changes anything
+                    endpoints, effects = self._tracker.announce(step, layer_idx, layer_name, self._clock())
             except Exception as exc:
-                failed: Exception | None = exc
-            else:
-                failed = None
-                self._slots_sent(layer_idx, endpoints)  # before any write: a reply may follow at once
-                self._sends.queue(effects)  # under the lock: each endpoint's outbox in the tracker's order
-        if failed is not None:
-            self._unannounced(layer_idx, layer_name, step, failed)
-            return
-        self._sends.settle(effects)
+                self._unannounced(layer_idx, layer_name, step, exc)
+                return
+            self._slots_sent(layer_idx, endpoints)
+            self._sends.carry_out(effects)
 
     def _unannounced(self, layer_idx: int, layer_name: str, step: Step, exc: Exception) -> None:
         """Nothing was announced: fail the step's requests, free the slots."""

@@ -10,8 +10,7 @@ raises in the middle of that resend must fail every readiness it did not write, 
 
 A real Source and a real Sink on the memory channel; the interleaving is made with events: the
 dialer holds the Decode's replies back and pauses one write until the other thread has either
-written its resend (the race) or queued it behind the paused write in the Decode's outbox (the
-fix). No sleeps."""
+written its resend (the race) or waits for its turn to (the fix). No sleeps."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ from rd2h import plugins
 from rd2h.clock import monotonic
 from rd2h.decode.sink import Sink
 from rd2h.errors import ChannelError
-from rd2h.prefill.send_tracker import Effects
 from rd2h.prefill.source import Source
 from rd2h.tensors import LayerTensors, layer_layout
 from rd2h.wire import protocol
@@ -53,7 +51,7 @@ class _Dialer(MemoryNamed):
         self.pause_layer1 = False
         self.paused, self.go = threading.Event(), threading.Event()
         self.fail_meta = False
-        self.queued_behind = False  # a frame was queued behind the paused write (_watch_outbox)
+        self.turn_waited = False  # a thread waited for the Source's turn while a write was paused (_WatchedTurn)
 
     def send(self, address: str, payload: bytes) -> None:
         message = protocol.decode(payload)
@@ -66,7 +64,7 @@ class _Dialer(MemoryNamed):
             raise ChannelError("connection reset")
         if pause:
             with self.cond:
-                self.queued_behind = False
+                self.turn_waited = False
             self.paused.set()
             assert self.go.wait(WAIT), "the test never let the paused write go"
         super().send(address, payload)
@@ -94,20 +92,21 @@ class _Dialer(MemoryNamed):
             return [protocol.decode(f) for f in self.sent]
 
 
-def _watch_outbox(source: Source, dialer: _Dialer) -> None:
-    """Tell the dialer when a tracker call queues a frame behind a write still under way (the
-    Source's outboxes order its writes per Decode: rd2h.prefill.send_order)."""
-    sends = source._sends
-    queue = sends.queue
+class _WatchedTurn:
+    """The Source's turn lock, telling the dialer when a thread has to wait for it."""
 
-    def queue_and_tell(effects: Effects) -> None:
-        queue(effects)
-        behind = any(sends.backlog(address) for address, _, _ in effects.sends)
-        with dialer.cond:
-            dialer.queued_behind = dialer.queued_behind or (behind and dialer.paused.is_set())
-            dialer.cond.notify_all()
+    def __init__(self, dialer: _Dialer) -> None:
+        self._lock, self._dialer = threading.Lock(), dialer
 
-    sends.queue = queue_and_tell  # type: ignore[method-assign]
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            with self._dialer.cond:
+                self._dialer.turn_waited = True
+                self._dialer.cond.notify_all()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 def _sink(port: int) -> tuple[Sink, dict[str, LayerTensors]]:
@@ -129,7 +128,7 @@ def restarted(kv_port: int) -> Iterator[tuple[Source, _Dialer, Sink, dict[str, L
         rank=0, tp_size=1, engine=plugins.load_engine("local", "prefill"), dialer=dialer,
         layers={n: layer_layout(t) for n, t in src.items()}, block_size=BLOCK, clock=monotonic, reuse_slots=False,
     )
-    _watch_outbox(source, dialer)
+    source._sends.turn = _WatchedTurn(dialer)  # the Source orders its writes by turns: watch who waits for one
     source.start()
     first, _ = _sink(kv_port)
     try:
@@ -158,8 +157,8 @@ def test_a_readiness_recorded_before_an_mr_is_handled_is_written_before_the_rese
     restarted: tuple[Source, _Dialer, Sink, dict[str, LayerTensors], dict[str, LayerTensors]], kv_port: int
 ) -> None:
     """The compute thread records layer 1's readiness; its write pauses; the sender thread gets
-    the MR for layer 0. Unordered, the MR's resend (mf_meta, l0, l1) went out first and the paused
-    original l1 after it: l1 was written twice after the mf_meta, and Decode read it twice."""
+    the MR for layer 0. Without turns the MR's resend (mf_meta, l0, l1) went out first and the
+    paused original l1 after it: l1 was written twice after the mf_meta, and Decode read it twice."""
     source, dialer, sink, src, dst = restarted
     blocks, dest = [2, 4], [1, 3]
     sink.expect("r", main_blocks=dest)
@@ -179,7 +178,7 @@ def test_a_readiness_recorded_before_an_mr_is_handled_is_written_before_the_rese
                 isinstance(m := protocol.decode(f), protocol.ReadReadyBatch) and m.layer_idx == 1
                 for f in dialer.sent[metas[-1] :]
             )
-            return resent or dialer.queued_behind
+            return resent or dialer.turn_waited
 
         with dialer.cond:
             assert dialer.cond.wait_for(resent_or_waiting, WAIT), "the MR was neither handled nor waiting"
