@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from rd2h.proxy.failures import error_answer
+from rd2h.proxy.first_token import read_json
 from rd2h.proxy.instances import Instance, Pool
 
 if TYPE_CHECKING:
@@ -77,8 +78,8 @@ class ModelLengths:
         epoch = instance.epoch
         try:
             answer = await client.get(instance.url + "/v1/models", timeout=timeout, headers=headers)
-            listing = answer.json() if answer.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
+            listing = read_json(answer.content, "its listing") if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:  # ValueError: also a listing too deep for json to read
             log.info("decode %s: /v1/models: %s: its max_model_len stays unknown", instance.url, exc)
             listing = None
         if instance.epoch == epoch:
@@ -123,7 +124,7 @@ async def models_answer(proxy: Proxy, request: Request) -> Response:
         return error_answer(f"{instance.url}: {exc}", 502)
     if answer.status_code == 200:
         try:
-            proxy.model_lengths.note(instance, answer.json())
-        except ValueError:
+            proxy.model_lengths.note(instance, read_json(answer.content, "its listing"))
+        except ValueError:  # also a listing too deep for json to read (read_json)
             pass  # passed on as it is: the client reads what Decode said
     return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))

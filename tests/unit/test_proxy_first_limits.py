@@ -70,3 +70,26 @@ def test_lengths_are_read_from_vllms_model_cards_and_a_request_is_measured_as_vl
     assert too_long(3, 4, 7) is None and too_long(3, 4, None) is None
     assert too_long(3, 5, 7) == ("'max_tokens' is too large: 5. This model's maximum context length is 7 tokens "
                                  "and your request has 3 input tokens (5 > 7 - 3).")
+
+
+@pytest.mark.parametrize("via", ["request", "listing"])
+def test_a_listing_too_deeply_nested_to_read_leaves_the_length_unknown(via: str) -> None:
+    """A Decode's /v1/models that json cannot read for its depth (RecursionError, not ValueError) is no
+    listing: a request goes on, the proxy's own /v1/models passes it on as Decode sent it."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        deep = b"[" * 100_000
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.method == "GET" and request.url.path == "/v1/models":
+                return httpx.Response(200, content=deep, headers={"content-type": "application/json"})
+            return await engines(request)
+
+        engines_as(client, handle)
+        if via == "listing":
+            answer = await client.get("/v1/models")
+            assert answer.status_code == 200 and answer.content == deep
+        answer = await client.post("/v1/completions", json=GREEDY)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == "ABCD"
+
+    run(scenario)
