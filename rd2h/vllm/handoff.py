@@ -121,6 +121,8 @@ def _verified(secret: bytes, raw: object, now: float, leg: str) -> dict[str, Any
         fields = verify(secret, raw, now)
     except VouchError as exc:
         raise ValueError(str(exc)) from None
+    except RecursionError:  # verify re-encodes what it got: a peer's deep nesting must not raise past here
+        raise ValueError("nested too deeply to be signed fields") from None
     if fields.get("leg") != leg:
         raise ValueError(f"signed for the {fields.get('leg')!r} leg, not {leg!r}")
     if not isinstance(fields.get("id"), str) or not 16 <= len(fields["id"]) <= 64:
@@ -170,7 +172,7 @@ def accept_ask(secret: bytes, raw: bytes, now: float) -> Ask:
         raise ValueError(f"an ask of {len(raw)} bytes (at most {MAX_ASK_BYTES})")
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: "[[[[..."
         raise ValueError(f"not JSON: {exc}") from None
     if isinstance(body, dict) and body.get("leg") == RELEASE_LEG:  # what the signature covers decides
         fields = _verified(secret, body, now, RELEASE_LEG)

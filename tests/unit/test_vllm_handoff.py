@@ -98,6 +98,18 @@ def test_an_ask_is_parsed_and_bad_ones_are_refused_with_a_reason() -> None:
             accept_ask(SECRET, raw, time.time())
 
 
+@pytest.mark.parametrize("leg", ["ask", "release"])
+def test_an_ask_nested_too_deeply_is_refused_never_raised(leg: str) -> None:
+    """Decoding or verifying (which encodes it again, a few frames deeper) may pass Python's
+    recursion limit: every depth around it is a ValueError, never a RecursionError that would
+    end the listener's thread."""
+    for depth in range(400, 1200, 3):
+        raw = b'{"leg": "%s", "sig": "x", "a": %s%s}' % (leg.encode(), b"[" * depth, b"]" * depth)
+        with pytest.raises(ValueError):
+            accept_ask(SECRET, raw, time.time())
+        assert "ask refused" in HoldTable().answer(SECRET, raw, time.time(), 0.0)["error"]
+
+
 def test_a_held_request_goes_once_to_the_first_valid_ask() -> None:
     table = HoldTable()
     assert table.answer(SECRET, ask(), time.time(), 0.0) == {"id": EXT, "retry": "not held yet"}
@@ -237,7 +249,8 @@ def test_garbage_on_the_listener_is_answered_and_the_loop_goes_on(listener: Hand
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(listener.address)
     try:
-        for junk in (b"\x00\xff", b"{}", json.dumps({"leg": "ask", "sig": "x" * 64}).encode()):
+        for junk in (b"\x00\xff", b"{}", json.dumps({"leg": "ask", "sig": "x" * 64}).encode(),
+                     b"[" * 5000):  # nested past Python's recursion limit: refused, the thread lives
             sock.send(junk)
             assert sock.poll(5000)
             assert "ask refused" in json.loads(sock.recv())["error"]
