@@ -47,7 +47,8 @@ def lengths_of(listing: Any) -> dict[str, int]:
 
 class ModelLengths:
     """``max_model_len`` per Decode instance, learned from its ``/v1/models`` once per epoch (a
-    restarted engine may serve another length). A failed listing is not asked again in that epoch."""
+    restarted engine may serve another length). A failed listing is not asked again in that epoch,
+    except one refused for the client's key (401, 403: the listing goes with the client's headers)."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[int, dict[str, int]]] = {}  # url -> (epoch, {model id: length})
@@ -78,6 +79,9 @@ class ModelLengths:
         epoch = instance.epoch
         try:
             answer = await client.get(instance.url + "/v1/models", timeout=timeout, headers=headers)
+            if answer.status_code in (401, 403):  # this client's key, not Decode's length: the next client asks
+                log.info("decode %s: /v1/models refused the client's key (%d)", instance.url, answer.status_code)
+                return
             listing = read_json(answer.content, "its listing") if answer.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as exc:  # ValueError: also a listing too deep for json to read
             log.info("decode %s: /v1/models: %s: its max_model_len stays unknown", instance.url, exc)

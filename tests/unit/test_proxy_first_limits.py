@@ -72,6 +72,30 @@ def test_lengths_are_read_from_vllms_model_cards_and_a_request_is_measured_as_vl
                                  "and your request has 3 input tokens (5 > 7 - 3).")
 
 
+def test_a_listing_refused_for_one_clients_key_is_asked_again_with_the_next_clients() -> None:
+    """The listing goes with the client's Authorization: a client's wrong key (401) says nothing of
+    Decode's length, so it must not leave the length unknown for every later client."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        asked: list[str] = []
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.method == "GET" and request.url.path == "/v1/models":
+                asked.append(request.headers.get("authorization", ""))
+                if request.headers.get("authorization") != "Bearer good":
+                    return httpx.Response(401, json={"error": "invalid api key"})
+                return httpx.Response(200, json=listing(6))  # the prompt is 3 tokens, max_tokens 4: 7
+            return await engines(request)
+
+        engines_as(client, handle)
+        wrong = await client.post("/v1/completions", json=GREEDY, headers={"authorization": "Bearer bad"})
+        assert wrong.status_code == 200, wrong.text  # its length not known: Decode's own refusal would follow
+        right = await client.post("/v1/completions", json=GREEDY, headers={"authorization": "Bearer good"})
+        assert right.status_code == 400 and "maximum context length is 6" in right.text, right.text
+        assert asked == ["Bearer bad", "Bearer good"]
+
+    run(scenario)
+
+
 @pytest.mark.parametrize("via", ["request", "listing"])
 def test_a_listing_too_deeply_nested_to_read_leaves_the_length_unknown(via: str) -> None:
     """A Decode's /v1/models that json cannot read for its depth (RecursionError, not ValueError) is no
