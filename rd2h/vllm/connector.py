@@ -370,6 +370,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return 0, False
         if count:
             self._matched[request.request_id] = count
+        else:  # asked again (its allocation failed) and nothing now: an earlier match is not a load not taken
+            self._matched.pop(request.request_id, None)
         return count, load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

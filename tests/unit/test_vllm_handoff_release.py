@@ -125,3 +125,20 @@ def test_a_release_of_a_request_already_being_sent_is_refused_and_counted(model:
     finally:
         scheduler.connector.shutdown()
         listener.close()
+
+
+def test_a_request_matched_then_finding_its_prompt_cached_is_counted_once(model: Path, prefill: RD2HWorker) -> None:
+    """vLLM asks a waiting request again when its allocation failed; by then its prefix cache may
+    hold the prompt: released as nothing to pull, and not also counted as a load not taken."""
+    scheduler, _ = make_scheduler(model, "kv_consumer")
+    connector = scheduler.connector
+    request = decode_request("cmpl-r4-0-abcdef12", port_of(prefill))
+    assert connector.get_num_new_matched_tokens(request, 0) == (100, True)  # then no blocks: not allocated
+    assert connector.get_num_new_matched_tokens(request, 100) == (0, False)  # next step: all cached
+    connector.update_state_after_alloc(request, ((),), 0)  # allocated without external tokens, as it said
+    assert freed_by(prefill) == {"p-req"}
+    ours = settled(scheduler)
+    assert (ours["handoff_released"], ours["nothing_to_pull"], ours["release_failed"]) == (1, 1, 0)
+    stats = connector.get_kv_connector_stats()
+    assert stats is not None and stats.data["local"] == {"nothing_to_pull": 1}  # not load_not_taken too
+    connector.shutdown()
