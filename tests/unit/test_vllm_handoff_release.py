@@ -5,7 +5,6 @@ counted (``handoff_released``); a release Prefill refuses is counted on Decode."
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,13 +57,10 @@ def decode_request(req: str, port: int) -> Any:
 
 
 def freed_by(prefill: RD2HWorker, timeout: float = 10.0) -> set[str]:
-    """Step the Prefill worker as vLLM does until it frees something (well within HOLD)."""
-    tick, deadline, freed = threading.Event(), time.monotonic() + timeout, set()
-    while not freed:
-        assert time.monotonic() < deadline, "still held: nobody released it"
-        freed |= prefill.transfer_results()[0]
-        tick.wait(0.01)
-    return freed
+    """Once the listener took a release (the table's own event, well within HOLD), what the
+    Prefill worker's next step frees."""
+    assert prefill.handoff.table.wait(timeout), "still held: nobody released it"
+    return prefill.transfer_results()[0]
 
 
 def port_of(prefill: RD2HWorker) -> int:
