@@ -227,6 +227,7 @@ class HoldTable:
                     self.counts["refused"] += 1
                 return {"id": ask.ext_id, "error": fate}
             if mono > held.deadline:  # the worker frees it on its next step
+                self.counts["refused"] += ask.endpoint is None  # a release of it: refused, as documented
                 return {"id": ask.ext_id, "error": "its hold expired; the blocks are freed"}
             if ask.num_tokens != held.num_tokens:
                 self.counts["refused"] += 1

@@ -158,6 +158,13 @@ def test_a_release_frees_a_held_request_at_once_and_only_an_unsent_one() -> None
     assert table.answer(SECRET, release(ext_id="ef" * 16), time.time(), 0.0)["retry"] == "not held yet"
 
 
+def test_a_release_of_an_expired_hold_is_refused_and_counted() -> None:
+    table = HoldTable()
+    table.hold(held(deadline=10.0))
+    assert "expired" in table.answer(SECRET, release(), time.time(), 11.0)["error"]
+    assert (table.counts["refused"], table.counts["released"]) == (1, 0)
+
+
 @pytest.fixture
 def listener() -> Iterator[HandoffListener]:
     port = free_base_port(1)
