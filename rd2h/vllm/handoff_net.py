@@ -257,7 +257,7 @@ class HandoffAsker:
             try:
                 reply = json.loads(raw)
                 pending = self._pending.get((reply.get("id"), url))
-            except (ValueError, AttributeError, TypeError):
+            except (ValueError, AttributeError, TypeError, RecursionError):  # RecursionError: "[[[[..."
                 log.warning("hand-off: a malformed answer from %s ignored", url)
                 continue
             if pending is None:

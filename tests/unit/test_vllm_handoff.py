@@ -268,3 +268,23 @@ def test_garbage_on_the_listener_is_answered_and_the_loop_goes_on(listener: Hand
     asker.submit(EXT, [listener.address], body())
     assert settle(asker) == [(EXT, None)]
     assert prompt_digest(TOKENS) != prompt_digest(TOKENS[:-1])
+
+
+def test_an_answer_nested_too_deeply_is_ignored_and_the_asker_goes_on(asker: HandoffAsker) -> None:
+    """A Prefill (or anything at its address) answering ``[[[[...``: the asker's one thread must
+    not die of it (every later hand-off would wait out its deadline); the valid answer after it counts."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    prefill = ctx.socket(zmq.ROUTER)
+    prefill.linger = 0
+    try:
+        port = prefill.bind_to_random_port("tcp://127.0.0.1")
+        asker.submit(EXT, [f"tcp://127.0.0.1:{port}"], body())
+        assert prefill.poll(10_000), "the ask never came"
+        peer, _ = prefill.recv_multipart()
+        prefill.send_multipart([peer, b"[" * 5_000])  # past the recursion limit, within MAXMSGSIZE
+        prefill.send_multipart([peer, json.dumps({"id": EXT, "ok": True}).encode()])
+        assert settle(asker) == [(EXT, None)]
+    finally:
+        prefill.close()
