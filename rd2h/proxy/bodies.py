@@ -50,6 +50,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
         raise Refused(f"the body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:  # "[[[[...": a client's input must not raise out of the handler
+        raise Refused("the body is nested too deeply to read") from None
     if not isinstance(body, dict):
         raise Refused("the body must be a JSON object")
     return body

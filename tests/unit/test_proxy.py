@@ -373,6 +373,7 @@ def test_models_come_from_a_decode_with_the_clients_authorization() -> None:
         (b'{"prompt": "\xff\xfe"}', {}, 400, "not UTF-8"),
         (b'{"prompt": ', {}, 400, "not JSON"),
         (b"[1, 2]", {}, 400, "JSON object"),
+        (b'{"prompt": ' + b"[" * 5000, {}, 400, "nested too deeply"),
         (json.dumps({"model": "m", "prompt": ["a"] * 5000}).encode(), {}, 400, "4096"),
     ],
 )
