@@ -67,6 +67,8 @@ class ClosingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            await self._on_close()
+            try:
+                if aclose is not None:
+                    await aclose()
+            finally:  # a generator that raised while closing must not leave its request pending
+                await self._on_close()

@@ -7,6 +7,7 @@ are test_proxy's; the server's side of a stream is Starlette's own, driven by th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -128,3 +129,34 @@ def test_a_stream_whose_client_went_away_ends_the_request(fails: str, targets_ur
         await assert_gone(client, engines)
 
     run(scenario, targets_url=targets_url, rendezvous_timeout=BOUND)
+
+
+def test_a_stream_whose_generator_raises_while_closing_still_ends_its_request() -> None:
+    """ClosingStream awaits on_close even when closing the body generator raises."""
+    from rd2h.proxy.abandon import ClosingStream
+
+    closed: list[str] = []
+
+    async def body() -> Any:
+        try:
+            yield b"data: 1\n\n"
+        finally:
+            raise RuntimeError("a generator that fails while closing")
+
+    async def on_close() -> None:
+        closed.append("ended")
+
+    async def scenario() -> None:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                raise OSError("the client went away")
+
+        response = ClosingStream(body(), on_close=on_close, media_type="text/event-stream")
+        with contextlib.suppress(Exception):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    asyncio.run(scenario())
+    assert closed == ["ended"]
