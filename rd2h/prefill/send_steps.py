@@ -78,6 +78,15 @@ class SentReadiness:
     seq: int = field(default_factory=_SENT.__next__)  # send order: what is sent again after META_REQUIRED keeps it
     resent: bool = False  # sent again once after META_REQUIRED
 
+    def named(self, failed_ext_ids: tuple[str, ...]) -> tuple[list[RequestRecord], int]:
+        """The requests a READ_FAILED for it names (none named: all of them), and how many ids it
+        named that this readiness did not carry (a peer's mistake, counted by the caller)."""
+        if not failed_ext_ids:
+            return list(self.requests), 0
+        carried = {r.ext_id: r for r in self.requests}
+        found = [carried[ext_id] for ext_id in failed_ext_ids if ext_id in carried]
+        return found, len(failed_ext_ids) - len(found)
+
 
 @dataclass(eq=False, slots=True)
 class EndpointRecord:

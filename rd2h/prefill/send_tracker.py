@@ -366,7 +366,8 @@ class SendTracker:
         if again:
             endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND, address)
             endpoint.unacked = 1  # an earlier mf_meta went to a Decode that is gone
-            effects.sends += [(address, again[0].layer_idx, self._meta), *((address, s.layer_idx, s.frame) for s in again)]
+            effects.sends.append((address, again[0].layer_idx, self._meta))
+            effects.sends += [(address, s.layer_idx, s.frame) for s in again]
         return effects
 
     def send_failed(self, address: str, layer_idx: int, error: BaseException, now: float) -> Effects:
@@ -440,18 +441,9 @@ class SendTracker:
 
     def _fail_named(self, sent: SentReadiness, reply: protocol.ReadFailed, error: RD2HError, now: float) -> int:
         """Fail what the reply names; how many ids it named that the readiness did not."""
-        if not reply.failed_ext_ids:
-            for request in sent.requests:
-                self._decide(request, _RE.FAIL, error, now)
-            return 0
-        named = {r.ext_id: r for r in sent.requests}
-        unknown = 0
-        for ext_id in reply.failed_ext_ids:
-            request = named.get(ext_id)
-            if request is None:
-                unknown += 1
-            else:
-                self._decide(request, _RE.FAIL, error, now)
+        requests, unknown = sent.named(reply.failed_ext_ids)
+        for request in requests:
+            self._decide(request, _RE.FAIL, error, now)
         return unknown
 
     def _ignore(self, effects: Effects, why: str, count: int = 1) -> Effects:
@@ -492,9 +484,9 @@ class SendTracker:
                 now,
             )
         )
-        listening = [
-            a for a in request.addresses if (e := self._endpoints.get(a)) is not None and e.state is not EndpointState.NEW
-        ]  # a NEW endpoint never heard of this Prefill; a SILENT one is told too (see SettledNotices)
+        listening = [a for a in request.addresses
+                     if (e := self._endpoints.get(a)) is not None and e.state is not EndpointState.NEW
+                     ]  # a NEW endpoint never heard of this Prefill; a SILENT one is told too (see SettledNotices)
         self._notices.settled(request.ext_id, terminal, request.error, listening)
         for address in request.addresses:
             self._endpoints.released(address)
