@@ -17,28 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_first_token import ask, metric, prompts
-from test_vllm_pd import PROMPTS, complete, last_record
+from test_vllm_convention import metric
+from test_vllm_first_token import ask, baseline, prompts
+from test_vllm_pd import PROMPTS, complete, last_record, model  # noqa: F401 - the model fixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_cluster import tiny_model
-
-    return tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
     from vllm_cluster import Cluster
 
-    class AtOnceCluster(Cluster):
-        def _proxy(self, name: str, decodes: Any, *args: str) -> None:
-            super()._proxy(name, decodes, *args, "--prefill-at-once")
-
-    with AtOnceCluster(model, tmp_path_factory.mktemp("cluster")) as cluster:
+    with Cluster(model, tmp_path_factory.mktemp("cluster"), proxy_args=("--prefill-at-once",)) as cluster:
         cluster.ensure()
         yield cluster
 
@@ -53,7 +43,7 @@ def asked_for_targets(record: dict[str, Any]) -> bool:
 def test_at_once_tokens_equal_one_engine(cluster: Any, stream: bool) -> None:
     cluster.ensure()
     salt = 11 + stream
-    one = [ask(cluster.url("prefill"), prompt, stream=False) for prompt in prompts(salt)]
+    one = baseline(cluster, salt)
     pulled = metric(cluster.url("decode"), "vllm:rd2h_pulled_requests_total")
     for prompt, expected in zip(prompts(salt), one):
         assert ask(cluster.url("proxy"), prompt, stream=stream) == expected

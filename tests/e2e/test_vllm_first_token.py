@@ -13,11 +13,12 @@ receives with noise changes the tokens after the first one.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_vllm_convention import metric
+from test_vllm_pd import model  # noqa: F401 - the model fixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -33,21 +34,10 @@ def prompts(salt: int) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_cluster import tiny_model
-
-    return tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
     from vllm_cluster import Cluster
 
-    class FirstTokenCluster(Cluster):
-        def _proxy(self, name: str, decodes: Any, *args: str) -> None:
-            super()._proxy(name, decodes, *args, "--first-token-from-prefill")
-
-    with FirstTokenCluster(model, tmp_path_factory.mktemp("cluster")) as cluster:
+    with Cluster(model, tmp_path_factory.mktemp("cluster"), proxy_args=("--first-token-from-prefill",)) as cluster:
         cluster.ensure()
         yield cluster
 
@@ -74,18 +64,6 @@ def ask(url: str, prompt: Any, *, stream: bool, max_tokens: int = MAX_TOKENS) ->
                     tokens += choice.get("token_ids") or []
                     text += choice.get("text") or ""
     return tokens, text
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of a series on ``url``'s /metrics over the samples with these labels."""
-    import httpx
-
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        match = re.match(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 def baseline(cluster: Any, salt: int) -> list[tuple[list[int], str]]:
@@ -134,7 +112,8 @@ def test_what_the_mode_cannot_serve_takes_the_normal_flow_with_one_engines_token
     cluster.ensure()
     body = {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}
-    answers = [httpx.post(cluster.url(p) + "/v1/chat/completions", json=body, timeout=120) for p in ("prefill", "proxy")]
+    answers = [httpx.post(cluster.url(p) + "/v1/chat/completions", json=body, timeout=120)
+               for p in ("prefill", "proxy")]
     assert [a.status_code for a in answers] == [200, 200], answers[1].text
     assert answers[0].json()["choices"][0]["message"] == answers[1].json()["choices"][0]["message"]
     assert metric(cluster.internal(), "rd2h_proxy_first_token_fallbacks_total", reason="chat") >= 1

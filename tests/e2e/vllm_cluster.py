@@ -166,11 +166,12 @@ class Cluster:
     with other connector settings (``ensure``)."""
 
     def __init__(self, model: Path, workdir: Path, *, tp: int | Mapping[str, int] = 1,
-                 env: Mapping[str, str] | None = None, warmup: bool = False) -> None:
+                 env: Mapping[str, str] | None = None, warmup: bool = False, proxy_args: Sequence[str] = ()) -> None:
         """``tp``: both engines' TP size, or ``{"prefill": p, "decode": d}``. ``warmup``: the
         proxies warm each pair up before they say ready (off by default: the test hooks that
-        hold or fail a request would catch the warm-up instead of the test's request)."""
-        self.model, self.workdir, self.warmup = model, workdir, warmup
+        hold or fail a request would catch the warm-up instead of the test's request).
+        ``proxy_args``: more ``rd2h proxy`` arguments for every proxy (``--prefill-at-once``)."""
+        self.model, self.workdir, self.warmup, self.proxy_args = model, workdir, warmup, tuple(proxy_args)
         self.tp = dict(tp) if isinstance(tp, Mapping) else {"prefill": tp, "decode": tp}
         # the secret the proxy and the engines share (signed kv_transfer_params, rendezvous)
         self.secret = secrets.token_hex(32)
@@ -291,7 +292,7 @@ class Cluster:
             sys.executable, "-m", "rd2h.cli.main", "proxy", "--port", str(self.ports[name]),
             "--rendezvous-port", str(self.ports[f"{name}/internal"]), "--prefill", self.url("prefill"),
             *(arg for d in decodes for arg in ("--decode", self.url(d))), "--rendezvous-timeout", "60",
-            *(() if self.warmup else ("--no-warmup",)), *args,
+            *(() if self.warmup else ("--no-warmup",)), *self.proxy_args, *args,
         ]
         self.procs[name] = Process(name, argv, self.workdir / f"{name}.log", self.env)
         # a warm-up is one P/D request: seconds, more on a starved machine
