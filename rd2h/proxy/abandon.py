@@ -20,10 +20,12 @@ from fastapi.responses import StreamingResponse
 from rd2h.proxy.failures import cancel
 
 if TYPE_CHECKING:
+    import httpx
+
     from rd2h.proxy.app import Proxy
     from rd2h.proxy.pending import Pending
 
-__all__ = ["ClosingStream", "end_once", "gone_status", "stop_legs"]
+__all__ = ["ClosingStream", "end_once", "gone_status", "never_ran", "stop_legs"]
 
 
 def gone_status(exc: BaseException) -> tuple[int, str, str]:
@@ -52,6 +54,19 @@ async def stop_legs(*legs: asyncio.Future[Any] | None) -> None:
     for leg in legs:
         if leg is not None:
             await cancel(leg)
+
+
+def never_ran(proxy: Proxy, pending: Pending, *legs: asyncio.Future[Any] | None,
+              response: httpx.Response | None = None) -> Callable[[], Awaitable[None]]:
+    """``on_close`` for a stream whose generator may never run (the client gone before the headers
+    went out): unless the request ended already, it ends as the client gone, its legs are stopped
+    and ``response`` (Decode's answer, which the generator would have closed) is closed."""
+    async def end() -> None:
+        if end_once(proxy, pending, asyncio.CancelledError()):
+            await stop_legs(*legs)
+            if response is not None:
+                await response.aclose()
+    return end
 
 
 class ClosingStream(StreamingResponse):

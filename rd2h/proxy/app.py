@@ -49,7 +49,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from rd2h.proxy.abandon import ClosingStream, end_once, stop_legs
+from rd2h.proxy.abandon import ClosingStream, end_once, never_ran, stop_legs
 from rd2h.proxy.bodies import Refused, error_body, error_event, parse_body, prefill_body, read_limited, shape_of
 from rd2h.proxy.early import all_heard, leg_unless_nothing, nothing_to_prefill, prefill_owes
 from rd2h.proxy.failures import (
@@ -297,16 +297,8 @@ class Proxy:
                 await response.aclose()
             raise
         return ClosingStream(self._relay(response, prefill, pending, (path, body)), status_code=response.status_code,
-                             headers=answer_headers, on_close=self._never_relayed(pending, response, decode, prefill))
-
-    def _never_relayed(self, pending: Pending, response: httpx.Response, *legs: asyncio.Future[Any]) -> Any:
-        """What a stream whose relay never ran (the client gone before its headers went out) leaves to end."""
-        async def end() -> None:
-            if pending.rid in self.pending:
-                self.finish(pending, 499, "the client went away", kind="cancelled")
-                await stop_legs(*legs)
-                await response.aclose()
-        return end
+                             headers=answer_headers, on_close=never_ran(self, pending, decode, prefill,
+                                                                        response=response))  # fmt: skip
 
     def begin(self, path: str, body: dict[str, Any], shape: tuple[int, int], headers: dict[str, str], *,
                pinned: dict[str, Instance] | None = None, arrived: float | None = None,

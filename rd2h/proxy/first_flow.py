@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rd2h.proxy.abandon import ClosingStream, end_once, stop_legs
+from rd2h.proxy.abandon import ClosingStream, end_once, never_ran
 from rd2h.proxy.bodies import error_body, error_event, prefill_body
 from rd2h.proxy.early import prefill_owes
 from rd2h.proxy.failures import EngineError, PrefillFailed, cancel, error_answer
@@ -101,17 +101,9 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     decode = asyncio.create_task(proxy._send(proxy.decode_pool, path, decode_body, stream=stream, pending=pending))
     if stream:
         return ClosingStream(_stream(proxy, pending, (path, leg), ours, body, (decode, owes)),
-                             on_close=_never_streamed(proxy, pending, decode, owes),
+                             on_close=never_ran(proxy, pending, decode, owes),
                              media_type="text/event-stream", headers=answer_headers)  # fmt: skip
     return await _whole(proxy, pending, (path, leg), ours, body, (decode, owes), answer_headers)
-
-
-def _never_streamed(proxy: Proxy, pending: Pending, *legs: asyncio.Future[Any]) -> Any:
-    """What a stream the server never started (the client gone before its headers went out) leaves to end."""
-    async def end() -> None:
-        if end_once(proxy, pending, asyncio.CancelledError()):
-            await stop_legs(*legs)
-    return end
 
 
 def ended_at_first(proxy: Proxy, pending: Pending, first: First, body: dict[str, Any],
