@@ -87,6 +87,8 @@ def verify(secret: bytes, fields: object, now: float) -> dict[str, Any]:
         payload = _canonical(body)
     except (TypeError, ValueError) as exc:  # NaN, infinity, values JSON cannot hold
         raise VouchError(f"not canonical JSON: {exc}") from None
+    except RecursionError:  # "[[[[...": a peer's or client's nesting, parsed just under the limit
+        raise VouchError("nested too deeply to be signed fields") from None
     if not hmac.compare_digest(sig, _mac(secret, payload)):
         raise VouchError("the signature does not match (another secret, or fields changed)")
     exp = body.get("exp")

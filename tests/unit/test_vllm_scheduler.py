@@ -6,6 +6,7 @@ The tests play the workers: each step's ``SchedulerOutput`` carries our metadata
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -264,7 +265,8 @@ GOOD_PREFILL = prefill_fields(SECRET, hexid("r9"), 1, 1, {0: [{"endpoint": "127.
      decode_fields(SECRET, hexid("r9"), 1, 1, time.time() - 3600),
      prefill_fields(SECRET, hexid("r9"), 1, 1, {0: [{"endpoint": "h:70000/1"}]}, time.time()),
      prefill_fields(SECRET, hexid("r9"), 1, 1, {0: [{"endpoint": "h:1/1", "first_block": -5}]}, time.time()),
-     decode_fields(SECRET, "not-hex", 1, 1, time.time())],
+     decode_fields(SECRET, "not-hex", 1, 1, time.time()),
+     {"sig": "x", "deep": functools.reduce(lambda inner, _: [inner], range(5000), [])}],  # re-encoding it recurses
 )
 def test_unvouched_or_malformed_params_are_served_locally_and_counted(model: Path, ours: Any) -> None:
     """A client's own kv_transfer_params (or a forged or stale signature) never steer a
