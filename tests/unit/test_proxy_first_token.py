@@ -144,7 +144,8 @@ def test_the_first_streamed_event_is_one_engines_chunk_and_a_last_one_ends_the_s
     last = events(first_chunks(first_of(prefill_answer("stop")), {**GREEDY, "stream_options": options}, last=True))
     assert [e if e == "[DONE]" else (e["choices"], e.get("usage")) for e in last] == [
         ([{"index": 0, "text": "A", "logprobs": None, "finish_reason": "stop", "stop_reason": None,
-           "prompt_token_ids": None, "token_ids": None}], {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}),
+           "prompt_token_ids": None, "token_ids": None}],
+         {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}),
         ([], {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}), "[DONE]"]  # fmt: skip
 
 
@@ -216,8 +217,8 @@ class Engines:
 
         async def stream() -> Any:
             for i, (text, token) in enumerate(zip("BCD", REST_IDS)):
-                delta = {**choice, "text": text, "token_ids": [token], "prompt_token_ids": None if i else body["prompt"],
-                         "finish_reason": "length" if i == 2 else None}  # fmt: skip
+                delta = {**choice, "text": text, "token_ids": [token], "finish_reason": "length" if i == 2 else None,
+                         "prompt_token_ids": None if i else body["prompt"]}  # fmt: skip
                 yield f"data: {json.dumps({'id': 'cmpl-d', 'created': 12, 'choices': [delta]})}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
@@ -465,6 +466,48 @@ def test_a_client_gone_before_decode_answered_ends_the_request_and_prefill_hears
             request.cancel()  # the client went away (the server cancels its handler)
             with pytest.raises(asyncio.CancelledError):
                 await request
+        assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)  # Prefill frees its blocks
+        assert (await client.get("/health")).json()["pending"] == 0
+        record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
+        assert record["status"] == 499
+
+    run(scenario, rendezvous_timeout=30)
+
+
+def test_a_stream_whose_headers_never_went_out_ends_the_request_and_cancels_decodes_leg() -> None:
+    """The client gone before the headers went out: the generator never ran, so on_close alone
+    ends the request (499) and closes Decode's leg (vLLM aborts it)."""
+    async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
+        decode_seen, cancelled = asyncio.Event(), []
+
+        async def silent(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "decode" and request.method == "POST":
+                decode_seen.set()
+                try:
+                    await asyncio.Event().wait()  # never posts, never answers
+                except asyncio.CancelledError:
+                    cancelled.append("decode")
+                    raise
+            return await engines(request)
+
+        from starlette.requests import ClientDisconnect
+
+        from rd2h.proxy.first_flow import first_token_answer
+
+        proxy = engines_as(client, silent)
+        answer = await first_token_answer(proxy, "/v1/completions", {**GREEDY, "stream": True},
+                                          {"x-request-id": "r"}, time.monotonic())  # fmt: skip
+        await asyncio.wait_for(decode_seen.wait(), 5)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            raise OSError("the client's connection is closed")
+
+        with pytest.raises(ClientDisconnect):
+            await answer({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)  # type: ignore[misc]
+        assert cancelled == ["decode"]
         assert (await asyncio.wait_for(engines.asks[0], 5)).status_code in (404, 410)  # Prefill frees its blocks
         assert (await client.get("/health")).json()["pending"] == 0
         record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
