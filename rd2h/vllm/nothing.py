@@ -69,6 +69,15 @@ class NothingToPull:
             self._asker = HandoffAsker(timeout=self.config.handoff_timeout)
         return self._asker
 
+    def _unclaim(self, request: Any, ext_id: str) -> None:
+        """Nothing lands under ``ext_id`` for ``request``: its claim goes at once and its
+        ``do_remote_prefill`` is consumed (a preempted request never pulls later)."""
+        if self._claims.get(ext_id) == request.request_id:
+            del self._claims[ext_id]
+        self._claimed.pop(request.request_id, None)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        request.kv_transfer_params = {**params, "do_remote_prefill": False}
+
     def _release_handoff(self, request: Any, handoff: Handoff, *, nothing: bool) -> tuple[int, bool]:
         """``request`` claimed ``handoff`` and will not pull it (``nothing``: it loads none of its
         prompt, counted in ``nothing_to_pull``): its claim is dropped, its ``do_remote_prefill``
@@ -76,11 +85,7 @@ class NothingToPull:
         held blocks now. ``(0, False)``: the request is computed here."""
         req_id, ext_id = request.request_id, handoff.ext_id
         self._handoffs.pop(req_id, None)  # matched before: not asked for, nor released again
-        if self._claims.get(ext_id) == req_id:
-            del self._claims[ext_id]
-        self._claimed.pop(req_id, None)
-        params = getattr(request, "kv_transfer_params", None) or {}
-        request.kv_transfer_params = {**params, "do_remote_prefill": False}
+        self._unclaim(request, ext_id)
         if nothing:
             self.stats["nothing_to_pull"] += 1
         self.stats["handoff_released"] += 1
@@ -113,11 +118,7 @@ class NothingToPull:
         would load without a prefix-cache hit): the proxy is told once, signed, and the claim and
         the request's ``do_remote_prefill`` are released (a preempted request never pulls later)."""
         req_id, num_tokens = request.request_id, len(request.prompt_token_ids or ())
-        if self._claims.get(ext_id) == req_id:  # nothing lands under it: release it at once
-            del self._claims[ext_id]
-        self._claimed.pop(req_id, None)
-        params = getattr(request, "kv_transfer_params", None) or {}
-        request.kv_transfer_params = {**params, "do_remote_prefill": False}
+        self._unclaim(request, ext_id)
         said = self._said_nothing
         if ext_id in said:  # a replay of its fields: computed here, said once, refused (counted)
             self._refuse(req_id, f"id {ext_id} was said to load nothing already (a replay of its fields)")
