@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rd2h.proxy.abandon import ClosingStream, end_once, never_ran
+from rd2h.proxy.abandon import ClosingStream, end_once, never_ran, stop_legs
 from rd2h.proxy.bodies import error_body, error_event, prefill_body
 from rd2h.proxy.early import prefill_owes
-from rd2h.proxy.failures import EngineError, PrefillFailed, cancel, error_answer
+from rd2h.proxy.failures import EngineError, PrefillFailed, error_answer
 from rd2h.proxy.first_token import (
     DEFAULT_MAX_TOKENS,
     First,
@@ -238,9 +238,7 @@ async def _whole(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, A
         _ended_by(proxy, pending, exc)
         raise
     finally:
-        for task in legs:
-            if not task.done():
-                await cancel(task)
+        await stop_legs(*legs)
 
 
 async def _once(chunk: bytes) -> AsyncIterator[bytes]:
@@ -282,8 +280,6 @@ async def _stream(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, 
                 yield raw
     finally:
         if not relayed:
-            for task in legs:
-                if not task.done():
-                    await cancel(task)
+            await stop_legs(*legs)
             if pending.rid in proxy.pending:  # the client went away before Decode answered
                 proxy.finish(pending, 499, "the client went away", kind="cancelled")
