@@ -229,16 +229,21 @@ class Proxy:
     async def _prefill_leg(self, pending: Pending, path: str, body: dict[str, Any], fields: dict[str, Any]) -> None:
         leg = prefill_body(body)
         leg["kv_transfer_params"] = {"do_remote_decode": True, "rd2h": fields}
-        sent = time.monotonic()
         try:
-            response = await self._send(self.prefill_pool, path, leg, stream=False, pending=pending)
+            response = await self.send_prefill(pending, path, leg)
         except EngineError as exc:
             raise PrefillFailed(str(exc)) from exc
+        if response.status_code >= 400:
+            raise PrefillFailed(f"Prefill answered {response.status_code}: {response.text[:300]}")
+
+    async def send_prefill(self, pending: Pending, path: str, leg: dict[str, Any]) -> httpx.Response:
+        """Prefill's answer to its leg (read whole), its time observed: rd2h_proxy_prefill_seconds, ``prefill_ms``."""
+        sent = time.monotonic()
+        response = await self._send(self.prefill_pool, path, leg, stream=False, pending=pending)
         pending.prefill_answered = time.monotonic()
         self.metrics.prefill.observe(pending.prefill_answered - sent)
         pending.record["prefill_ms"] = round((pending.prefill_answered - sent) * 1e3, 1)
-        if response.status_code >= 400:
-            raise PrefillFailed(f"Prefill answered {response.status_code}: {response.text[:300]}")
+        return response
 
     async def recompute(self, pending: Pending, path: str, body: dict[str, Any], error: Exception) -> httpx.Response:
         """Prefill failed and Decode's policy is ``recompute``: Decode computes the prompt."""

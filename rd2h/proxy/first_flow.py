@@ -127,13 +127,9 @@ async def _prefill(proxy: Proxy, pending: Pending, path: str, body: dict[str, An
     fields = later_fields(proxy.config.secret, pending.rid, 1, str(proxy.config.first_token_url),
                           min(proxy.config.rendezvous_timeout, MAX_WAIT), time.time(), first=True)  # fmt: skip
     leg["kv_transfer_params"] = {"do_remote_decode": True, "rd2h": fields}
-    sent = time.monotonic()
     headers = {"x-request-id": pending.headers["x-request-id"]}
     try:
-        response = await proxy._send(proxy.prefill_pool, path, leg, stream=False, pending=pending)
-        pending.prefill_answered = time.monotonic()
-        proxy.metrics.prefill.observe(pending.prefill_answered - sent)
-        pending.record["prefill_ms"] = round((pending.prefill_answered - sent) * 1e3, 1)
+        response = await proxy.send_prefill(pending, path, leg)
         if response.status_code >= 400:  # Prefill refused it (a client's error, e.g. too long): as it said
             proxy.finish(pending, response.status_code, f"Prefill answered {response.status_code}",
                          kind="prefill_failed")

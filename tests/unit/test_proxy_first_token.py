@@ -278,10 +278,11 @@ def test_a_greedy_request_gets_prefills_token_then_decodes_and_prefill_its_targe
         assert tail == 1 and ext_id == f"{later.rid}-0-0"  # the same request on both engines
         record = (await client.get("/v1/rd2h/requests", headers=OPERATOR)).json()[-1]
         t = record["t"]
-        assert record["first_token"] == "continued" and record["status"] == 200
+        assert record["first_token"] == "continued" and record["status"] == 200 and "prefill_ms" in record
         assert t["prefill_sent"] <= t["prefill_answered"] <= t["decode_sent"] <= t["targets_sent"]
         scrape = (await client.get("/metrics")).text
         assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="continued"}') == 1
+        assert metric(scrape, "rd2h_proxy_prefill_seconds_count") == 1  # Prefill's leg timed as in the normal flow
 
     run(scenario)
 
