@@ -17,6 +17,21 @@ TARGETS = "/v1/rd2h/targets"
 URL = "http://proxy/internal/v1/rd2h/targets"
 
 
+def ask_for_targets(client: httpx.AsyncClient, engines: Engines, asked: asyncio.Event) -> asyncio.Task[httpx.Response]:
+    """Prefill's ask for the targets of the one pending request; ``asked`` is set once its handler waits for them."""
+    (pending,) = engines.public_proxy.pending.values()
+    mark = pending.mark
+
+    def marked(name: str) -> None:
+        mark(name)
+        if name == "targets_asked":  # the ask's handler goes on to wait, in this same turn
+            asked.set()
+
+    pending.mark = marked  # type: ignore[method-assign]
+    rid = engines.prefill_bodies[0]["kv_transfer_params"]["rd2h"]["id"]
+    return asyncio.create_task(client.post(TARGETS, json=targets_ask(SECRET, rid, time.time())))
+
+
 def test_prefill_is_sent_at_once_and_a_signed_ask_gets_its_targets_once_decode_posted() -> None:
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
         engines.decode_hangs = True  # posts its rendezvous, then holds the request
@@ -126,17 +141,7 @@ def test_a_decode_that_fails_while_prefill_asks_for_targets_tells_prefill_no_tar
         proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(failing))
         request = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "a"}))
         await asyncio.wait_for(engines.prefilled.wait(), 5)
-        (pending,) = proxy.pending.values()
-        mark = pending.mark
-
-        def marked(name: str) -> None:
-            mark(name)
-            if name == "targets_asked":  # the ask's handler goes on to wait, in this same turn
-                asked.set()
-
-        pending.mark = marked
-        rid = engines.prefill_bodies[0]["kv_transfer_params"]["rd2h"]["id"]
-        ask = asyncio.create_task(client.post(TARGETS, json=targets_ask(SECRET, rid, time.time())))
+        ask = ask_for_targets(client, engines, asked)
         response = await asyncio.wait_for(request, 5)
         assert response.status_code == 500 and "boom" in response.text
         answer = await asyncio.wait_for(ask, 5)

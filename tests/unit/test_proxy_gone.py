@@ -9,15 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from typing import Any
 
 import httpx
 import pytest
 from starlette.requests import ClientDisconnect, Request
-from test_proxy import OPERATOR, SECRET, Engines, run
-
-from rd2h.vllm.params import targets_ask
+from test_proxy import OPERATOR, Engines, run
+from test_proxy_early import ask_for_targets
 
 URL = "http://proxy/internal/v1/rd2h/targets"
 BOUND = 30.0  # a hang's bound (the test waits for events, never for time)
@@ -70,17 +68,8 @@ def test_a_client_gone_before_every_rendezvous_tells_prefill_at_once_no_targets_
         engines.decode_hangs = "silent"  # never posts its rendezvous
         request = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "a"}))
         await asyncio.wait_for(engines.prefilled.wait(), BOUND)  # Prefill's leg, sent at once, answered
-        (pending,) = engines.public_proxy.pending.values()
-        asked, mark = asyncio.Event(), pending.mark
-
-        def marked(name: str) -> None:
-            mark(name)
-            if name == "targets_asked":  # the ask's handler goes on to wait, in this same turn
-                asked.set()
-
-        pending.mark = marked
-        rid = engines.prefill_bodies[0]["kv_transfer_params"]["rd2h"]["id"]
-        ask = asyncio.create_task(client.post("/v1/rd2h/targets", json=targets_ask(SECRET, rid, time.time())))
+        asked = asyncio.Event()
+        ask = ask_for_targets(client, engines, asked)
         await asyncio.wait_for(asked.wait(), BOUND)
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
