@@ -139,11 +139,11 @@ def _events(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
 
 
 def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | None, after: Path | None,
-                    flags: dict[str, tuple[str, ...]] | None = None) -> Any:
+                    at_once: frozenset[str] = frozenset(), first_token: frozenset[str] = frozenset()) -> Any:
     """The e2e tests' cluster with every engine on ``RD2HTraceConnector`` (bench/pd_trace.py);
     the processes named ``*-before`` import rd2h from ``before`` (a commit's package), the others
-    from ``after`` where given (else the checkout); ``flags``: more arguments of the proxy of each
-    name (``--prefill-at-once``...)."""
+    from ``after`` where given (else the checkout); the proxies named in ``at_once`` run with
+    ``--prefill-at-once``, those in ``first_token`` with ``--first-token-from-prefill``."""
     import vllm_cluster
 
     original = vllm_cluster.Process
@@ -174,7 +174,8 @@ def _traced_cluster(model: Path, workdir: Path, trace_dir: Path, before: Path | 
         def _proxy(self, name: str, decodes: Any, *args: str) -> None:
             vllm_cluster.Process = process
             try:
-                super()._proxy(name, decodes, *args, *(flags or {}).get(name, ()))
+                super()._proxy(name, decodes, *args, *(("--prefill-at-once",) if name in at_once else ()),
+                               *(("--first-token-from-prefill",) if name in first_token else ()))
             finally:
                 vllm_cluster.Process = original
 
@@ -203,7 +204,6 @@ def _title(arm: str, args: argparse.Namespace, rows: list[dict[str, Any]], load:
     who = f"rd2h at {args.before}" if arm == "before" else f"rd2h at {args.after or 'the checkout'}"
     who += ", Prefill at once" if arm in getattr(args, "at_once", ()) else ""
     who += ", first token from Prefill" if arm in getattr(args, "first_token", ()) else ""
-    who += ", early first token" if arm in getattr(args, "early_first", ()) else ""
     return (f"{who}: {len(rows)} requests an arm, ~{tokens:.0f}-token prompts, {args.max_tokens} tokens, "
             f"load average {load[0]:.1f} on {os.cpu_count()} cores")
 
@@ -238,13 +238,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     trace_dir = workdir / f"trace-{os.getpid()}"
     before = _checkout(args.before, workdir / f"before-{os.getpid()}") if args.before else None
     after = _checkout(args.after, workdir / f"after-{os.getpid()}") if args.after else None
-    flags: dict[str, tuple[str, ...]] = {}
-    for option, arms_with in (("--prefill-at-once", args.at_once), ("--first-token-from-prefill", args.first_token),
-                              ("--early-first-token", args.early_first)):
-        for arm in arms_with:
-            proxy = {"pd": "proxy", "before": "proxy-before"}[arm]
-            flags[proxy] = (*flags.get(proxy, ()), option)
-    cluster = _traced_cluster(model, workdir, trace_dir, before, after, flags)
+    at_once = frozenset({"pd": "proxy", "before": "proxy-before"}[arm] for arm in args.at_once)
+    first_token = frozenset({"pd": "proxy", "before": "proxy-before"}[arm] for arm in args.first_token)
+    cluster = _traced_cluster(model, workdir, trace_dir, before, after, at_once, first_token)
     engine_args = ["--max-model-len", str(args.max_model_len), "--max-num-batched-tokens", str(args.batched_tokens)]
     # arm -> (proxy, decode); "one" asks the Prefill engine directly
     pd_arms = {"pd": ("proxy", "decode"), **({"before": ("proxy-before", "decode-before")} if before else {})}
@@ -301,7 +297,6 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                      "max_model_len": args.max_model_len, "model": str(args.model or
                      f"tiny Qwen3, {args.layers} layers, hidden {args.hidden}"), "arms": arms,
                      "prefill_at_once": sorted(args.at_once), "first_token_from_prefill": sorted(args.first_token),
-                     "early_first_token": sorted(args.early_first),
                      "rd2h_config": dict(args.config)},
         "idle_cpu_percent": {"before": idle, "after": idle_after},
         "stages": [list(stage) for stage in pd_hops.HOPS],
@@ -367,9 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-token", nargs="*", choices=["pd", "before"], default=[],
                         help="these P/D arms' proxies give the client Prefill's first token, Decode the rest (rd2h "
                         "proxy --first-token-from-prefill); e.g. --before HEAD --first-token pd: sequential against it")
-    parser.add_argument("--early-first", nargs="*", choices=["pd", "before"], default=[],
-                        help="these P/D arms' proxies send the client Prefill's first token when it comes before "
-                        "Decode's (rd2h proxy --early-first-token; --before REV must have it)")
     parser.add_argument("--config", type=_role_config, action="append", default=[], metavar="ROLE=JSON",
                         help="rd2h settings for one engine (prefill, decode, decode-before) over the defaults, e.g. "
                         'decode=\'{"channel": "tcp", "channel_options": {"busy_poll_us": 300}}\' (repeatable)')

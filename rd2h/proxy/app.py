@@ -51,7 +51,6 @@ from fastapi.responses import JSONResponse, Response
 
 from rd2h.proxy.abandon import ClosingStream, end_once, never_ran, stop_legs
 from rd2h.proxy.bodies import Refused, error_body, error_event, parse_body, prefill_body, read_limited, shape_of
-from rd2h.proxy.continuation import Mismatch
 from rd2h.proxy.early import all_heard, leg_unless_nothing, nothing_to_prefill, prefill_owes
 from rd2h.proxy.failures import (
     EngineError,
@@ -64,7 +63,6 @@ from rd2h.proxy.failures import (
     refused,
     settle,
 )  # fmt: skip
-from rd2h.proxy.early_first import EarlyFirst, early_for
 from rd2h.proxy.first_flow import first_token_answer
 from rd2h.proxy.instances import Instance, Pool, gone_for_good
 from rd2h.proxy.metrics import ProxyMetrics
@@ -101,7 +99,6 @@ class ProxyConfig:
     # gets the request at once, with Decode; None: only once every rendezvous is in (rd2h.proxy.early)
     targets_url: str | None = None
     first_token_url: str | None = None  # the targets URL, set: the client's first token is Prefill's (first_flow)
-    early_first: bool = False  # the normal flow, the first token from Prefill's answer if first (early_first)
 
     @property
     def warms_up(self) -> bool:
@@ -232,16 +229,12 @@ class Proxy:
     async def _prefill_leg(self, pending: Pending, path: str, body: dict[str, Any], fields: dict[str, Any]) -> None:
         leg = prefill_body(body)
         leg["kv_transfer_params"] = {"do_remote_decode": True, "rd2h": fields}
-        if pending.early is not None:
-            leg["return_token_ids"] = True
         try:
             response = await self.send_prefill(pending, path, leg)
         except EngineError as exc:
             raise PrefillFailed(str(exc)) from exc
         if response.status_code >= 400:
             raise PrefillFailed(f"Prefill answered {response.status_code}: {response.text[:300]}")
-        if pending.early is not None:
-            pending.early.learn(response.content)
 
     async def send_prefill(self, pending: Pending, path: str, leg: dict[str, Any]) -> httpx.Response:
         """Prefill's answer to its leg (read whole), its time observed: rd2h_proxy_prefill_seconds, ``prefill_ms``."""
@@ -281,8 +274,7 @@ class Proxy:
             return JSONResponse(error_body(str(exc), kind, exc.status), exc.status, headers=answer_headers)
         if self.config.first_token_url and (first := await first_token_answer(self, path, body, headers, arrived)):
             return first  # a Response; None: the normal flow (counted by reason)
-        pending, prefill, decode = self.begin(path, body, (prompts, samples), headers, arrived=arrived,
-                                              early=early_for(self, path, body))  # fmt: skip
+        pending, prefill, decode = self.begin(path, body, (prompts, samples), headers, arrived=arrived)
         response: httpx.Response | None = None
         try:
             try:
@@ -314,15 +306,13 @@ class Proxy:
                                                                         response=response))  # fmt: skip
 
     def begin(self, path: str, body: dict[str, Any], shape: tuple[int, int], headers: dict[str, str], *,
-               pinned: dict[str, Instance] | None = None, arrived: float | None = None, early: EarlyFirst | None = None,
+               pinned: dict[str, Instance] | None = None, arrived: float | None = None,
                ) -> tuple[Pending, asyncio.Task[None], asyncio.Task[httpx.Response]]:
         """Both legs of a request under way: Decode's now, Prefill's once every rendezvous is in."""
         prompts, samples = shape
         pending = self.open(path, prompts, headers, pinned=pinned, arrived=arrived)
         decode_body = {**body, "kv_transfer_params": {"do_remote_prefill": True, "rd2h": decode_fields(
             self.config.secret, pending.rid, prompts, samples, time.time())}}  # fmt: skip
-        if early is not None:  # its first token is checked against Prefill's
-            pending.early, decode_body["return_token_ids"] = early, True
         prefill = asyncio.create_task(self.prefill(pending, path, body))
         decode = asyncio.create_task(
             self._send(self.decode_pool, path, decode_body, stream=bool(body.get("stream")), pending=pending)
@@ -385,21 +375,12 @@ class Proxy:
         chunks = response.aiter_raw()
         status, kind, error = response.status_code, "", ""
         relayed = False
-        early = pending.early if rewriter is None else None
-        rewriter = early.continuation if early is not None else rewriter
-        next_chunk: Any = None
         try:
             while True:
                 # a task only while Prefill may still fail the stream; then each chunk at once
-                if next_chunk is None:
-                    next_chunk = chunks.__anext__() if relayed else asyncio.ensure_future(chunks.__anext__())
+                next_chunk = chunks.__anext__() if relayed else asyncio.ensure_future(chunks.__anext__())
                 if not relayed:
-                    waits = {next_chunk, prefill, *(early.waits() if early is not None else ())}
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                    if early is not None and early.due() and not next_chunk.done():  # Prefill's token first
-                        if out := early.take(self, pending):
-                            yield out
-                        continue
+                    await asyncio.wait({next_chunk, prefill}, return_when=asyncio.FIRST_COMPLETED)
                 # Prefill's failure matters until the first chunk, unless it was settled already
                 # (handle() recomputed when Prefill failed before Decode's headers came)
                 failed = not relayed and "recomputed" not in pending.record and failure(prefill)
@@ -419,18 +400,11 @@ class Proxy:
                     yield error_event(error, status)  # no [DONE]: the stream failed
                     return
                 try:
-                    chunk, next_chunk = await next_chunk, None
+                    chunk = await next_chunk
                     out = chunk if rewriter is None else rewriter.feed(chunk)
                 except StopAsyncIteration:
                     if rewriter is not None and (rest := rewriter.flush()):
                         yield rest
-                    if early is not None:
-                        early.finished(self)
-                    return
-                except Mismatch as exc:  # the client has Prefill's first token: the rest computed after it
-                    assert early is not None  # only its Continuation raises Mismatch
-                    async for out in early.recomputed(self, pending, request[0], exc):
-                        yield out
                     return
                 except ValueError as exc:  # Decode sent what the rewriter cannot read
                     status, kind, error = 502, "decode_failed", f"Decode: {exc}"

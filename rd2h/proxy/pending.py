@@ -30,7 +30,6 @@ class Pending:
     targets: dict[str, Any] | None = None  # Prefill's signed fields with every target, once all are in
     answered_by: dict[str, Instance] = field(default_factory=dict)  # role -> the instance that answered its leg
     nothing: bool = False  # every prompt's rendezvous said Decode loads nothing of it: no Prefill work
-    early: Any = None  # an EarlyFirst: the client's first token may be Prefill's (rd2h.proxy.early_first)
 
     def mark(self, name: str) -> None:  # the first time it passed ``name``, ms from ``started``
         self.record.setdefault("t", {}).setdefault(name, round((time.monotonic() - self.started) * 1e3, 3))

@@ -16,7 +16,6 @@ Prefill learns where to send only from what that rendezvous said.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,6 @@ __all__ = ["LATE_IDLE_WAIT", "LateSends", "Send"]
 
 log = logging.getLogger("rd2h.vllm.scheduler")
 
-HOLD = os.environ.get("RD2H_HOLD_FOR_TARGETS") == "1"
 LATE_IDLE_WAIT = 0.01  # the longest an idle step waits for the targets of a finished request (woken by them)
 
 
@@ -54,7 +52,6 @@ class LateSends:
     _send_finish: list[SendFinish]
     _targets: Any
     _release: list[str]
-    _held: set[str]
     _whole: bool
     _clock: Any
     stats: dict[str, int]
@@ -78,20 +75,6 @@ class LateSends:
         self._sending.update((t.ext_id, req_id) for t in targets)
         if later is not None:  # computed now; the targets come once every Decode posted its rendezvous
             self._ask_targets(req_id, later)
-
-    def _held_for_targets(self, request: Any, params: Mapping[str, Any]) -> bool:
-        """Experiment (RD2H_HOLD_FOR_TARGETS=1): a request whose targets come later waits in vLLM's
-        queue until they came, so that its layers go as computed."""
-        if not HOLD or PARAMS_KEY not in params:
-            return False
-        req_id = request.request_id
-        if req_id not in self._send:
-            if req_id in self._held:
-                return False  # its targets failed: computed, sent nowhere
-            self._held.add(req_id)
-            self._track_send(request, params)
-        send = self._send.get(req_id)
-        return send is not None and send.later is not None and not send.targets and send.pending is None
 
     def _ask_targets(self, req_id: str, later: Later) -> None:
         if self._targets is None:
@@ -118,7 +101,7 @@ class LateSends:
         is sent nowhere, its held blocks freed (``release``)."""
         if self._targets is None:
             return
-        if idle and any(s.finished or (HOLD and s.later and not s.targets) for s in self._send.values()):
+        if idle and any(s.finished for s in self._send.values()):
             self._targets.wait(LATE_IDLE_WAIT)
         for req_id, answer, error in self._targets.take():
             send = self._send.get(req_id)

@@ -151,7 +151,6 @@ class RD2HScheduler(LateSends, NothingToPull):
         self._send_finish: list[SendFinish] = []
         self._targets: TargetAsker | None = None  # asks for targets learnt after Prefill started
         self._release: list[str] = []  # req ids held for targets that never came: free their blocks
-        self._held: set[str] = set()  # experiment: req ids held in the queue for their targets
         self.stats = {
             "pulled_tokens": 0, "prefix_hit_tokens": 0, "rendezvous": 0, "refused_params": 0,
             "samples_from_prefix_cache": 0, "samples_computed_here": 0,
@@ -163,8 +162,6 @@ class RD2HScheduler(LateSends, NothingToPull):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = _params(request)
-        if self.producer and params.get("do_remote_decode") and self._held_for_targets(request, params):
-            return None, False  # its targets come later: computed once they came (layers sent as computed)
         if not (self.consumer and params.get("do_remote_prefill")):
             return 0, False
         raw = params.get(PARAMS_KEY)

@@ -52,13 +52,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "rd2h_proxy_first_token_fallbacks_total)",
     )
     parser.add_argument(
-        "--early-first-token", action="store_true",
-        help="experimental: in the normal flow (or with --prefill-at-once), send the client the first token "
-        "from Prefill's answer when it comes before Decode's, Decode's own checked equal and dropped; greedy "
-        "streamed /v1/completions of one prompt only (others counted by reason in "
-        "rd2h_proxy_first_token_fallbacks_total)",
-    )
-    parser.add_argument(
         "--internal-url", default=None, metavar="URL",
         help="with --prefill-at-once or --first-token-from-prefill: the internal listener's base URL as the "
         "engines reach it (default: http://RENDEZVOUS_HOST:RENDEZVOUS_PORT, a wildcard host replaced by this "
@@ -167,8 +160,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"rd2h proxy needs its extra: pip install 'rd2h[proxy]' ({exc})") from None
     from rd2h.vllm.vouch import load_secret
 
-    if args.early_first_token and args.first_token_from_prefill:
-        raise ConfigError("--early-first-token and --first-token-from-prefill are two flows: choose one")
     rendezvous_port = args.port + 1 if args.rendezvous_port is None else args.rendezvous_port
     if (args.rendezvous_host, rendezvous_port) == (args.host, args.port):
         raise ConfigError("the rendezvous listener needs its own port (--rendezvous-port)")
@@ -180,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup, warmup_timeout=args.warmup_timeout,
         targets_url=targets_url(args, rendezvous_port, TARGETS_PATH),
         first_token_url=targets_url(args, rendezvous_port, TARGETS_PATH, flag="first_token_from_prefill"),
-        early_first=args.early_first_token,
     )
     listen = Listen(
         host=args.host, port=args.port, rendezvous_host=args.rendezvous_host, rendezvous_port=rendezvous_port,
