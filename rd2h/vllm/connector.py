@@ -21,6 +21,7 @@ Hooks that exist only in some vLLM versions (vllm-ascend's ``wait_for_layer_send
 from __future__ import annotations
 
 import logging
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from rd2h.errors import ConfigError
 from rd2h.vllm.config import ConnectorConfig, Mode
+from rd2h.vllm.finished import FailedLoads
 from rd2h.vllm.kv_groups import check_groups
 from rd2h.vllm.metadata import StepMetadata
 from rd2h.vllm.parallel import check_parallel, decode_stages, pipeline_stage, port_rank
@@ -153,6 +155,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Disaggregated Prefill/Decode by layer-wise pull. See ``docs/vllm.md``."""
 
     worker_class: type[RD2HWorker] = RD2HWorker  # the worker role's state (a subclass may extend it)
+    _failed_loads = cached_property(lambda self: FailedLoads())  # loads a hook's error left waiting (finished.py)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -244,6 +247,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, StepMetadata):
+            self._failed_loads.bind(connector_metadata)
             try:  # each request's problem is settled inside; this only keeps a bug from the engine
                 self.worker.bind(connector_metadata)
             except Exception:  # noqa: BLE001
@@ -284,15 +288,16 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _ = self.worker.transfer_results()
+        recving |= self._failed_loads.take()  # older vLLM: their blocks are load errors
         return sending or None, recving or None
 
     if KVConnectorTransferResults is not None:
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             sending, recving, failed = self.worker.transfer_results()
-            return KVConnectorTransferResults(
-                finished_sending=sending, finished_recving=recving, failed_recving=failed
-            )
+            lost = self._failed_loads.take()  # failed on a scheduler hook's error: no worker knew of them
+            return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving | lost,
+                                              failed_recving=failed | lost)  # fmt: skip
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks a failed pull left unwritten, so that vLLM recomputes or fails the request
@@ -301,7 +306,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         KV cache group); only an older one needs the blocks (main group)."""
         if self._worker is None:
             return set()
-        errors = self._worker.load_errors()
+        errors = self._worker.load_errors() | self._failed_loads.take_blocks()
         return set() if KVConnectorTransferResults is not None else errors
 
     def build_connector_worker_meta(self) -> Any:
@@ -316,8 +321,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # -- scheduler side ------------------------------------------------------------------
 
     # The per-request scheduler hooks settle what a request brings inside (rd2h.vllm.scheduler);
-    # the guards here only keep an unforeseen bug from killing the engine: the request then
-    # runs as a plain local one, and the error is logged and counted (_hook_failed).
+    # the guards here only keep an unforeseen bug from killing the engine: the request gets the
+    # safe answer (rd2h.vllm.finished), and the error is logged and counted (_hook_failed).
 
     def _hook_failed(self, hook: str, request: Any, what: str) -> None:
         """A guarded scheduler hook raised: logged with its traceback and counted by hook
@@ -362,6 +367,8 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return "first_token" if later.first else True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.request_id in self._failed_loads.gave_up:  # its load failed on a hook's error: computed here
+            return 0, False
         try:
             count, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception:  # noqa: BLE001
@@ -384,7 +391,11 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 return
             self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception:  # noqa: BLE001
-            self._hook_failed("update_state_after_alloc", request, "nothing more is done for it")
+            waits = bool(matched and num_external_tokens)  # vLLM waits for KV that no worker knows of
+            self._hook_failed("update_state_after_alloc", request, "its load fails" if waits else "nothing more")
+            if waits:  # each worker reports it finished-receiving and failed in the next step
+                self._failed_loads.fail(request, blocks)
+                self._guarded("update_state_after_alloc", request, self.scheduler.drop_load, request)
 
     def _uncut(self, request: Any) -> bool:
         """A Mamba model's Prefill leg, signed, whose prompt was not cut short of its last token
@@ -420,24 +431,37 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return True
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        try:
+            meta = self.scheduler.build_connector_meta(scheduler_output)
+        except Exception:  # noqa: BLE001
+            self._hook_failed("build_connector_meta", None, "sends it would have started are not sent")
+            meta = self.scheduler.meta_after_error()
+        return self._failed_loads.attach(meta)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.scheduler.update_connector_output(connector_output)
+        self._guarded("update_connector_output", None, self.scheduler.update_connector_output, connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._matched.pop(request.request_id, None)
-        if self._truncation is not None:
-            self._truncation.finished(request.request_id)
-        return self.scheduler.request_finished(request, (block_ids,))
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._failed_loads.gave_up.discard(request.request_id)
         self._matched.pop(request.request_id, None)
-        if self._truncation is not None:
-            self._truncation.finished(request.request_id)
-        return self.scheduler.request_finished(request, block_ids)
+        try:
+            if self._truncation is not None:
+                self._truncation.finished(request.request_id)
+            return self.scheduler.request_finished(request, block_ids)
+        except Exception:  # noqa: BLE001
+            self._hook_failed("request_finished", request, "its blocks are held only while a send may read them")
+            return self.scheduler.finish_after_error(request)
+
+    def _guarded(self, hook: str, request: Any, call: Any, *args: Any) -> None:
+        try:
+            call(*args)
+        except Exception:  # noqa: BLE001
+            self._hook_failed(hook, request, "the engine goes on")
 
     # -- statistics (vLLM's KVConnectorStats: its log line and its /metrics) ----------------
 

@@ -47,6 +47,7 @@ from typing import Any
 
 from rd2h.layout.topology import base_port
 from rd2h.vllm.config import ConnectorConfig, Mode
+from rd2h.vllm.finished import Finishing
 from rd2h.vllm.handoff import HANDOFF_LEG, Handoff, accept_handoff, ask_fields, ask_urls, handoff_params
 from rd2h.vllm.kv_groups import transfer_tokens
 from rd2h.vllm.late_sends import LateSends, Send
@@ -95,7 +96,7 @@ class _Recv:
     handoff: Handoff | None = None  # vLLM's convention: ask these Prefill ranks, post nothing
 
 
-class RD2HScheduler(LateSends, NothingToPull):
+class RD2HScheduler(Finishing, LateSends, NothingToPull):
     """Scheduler-side state of one engine. ``block_sizes``: tokens per block of each KV
     cache group; ``world_size``: workers that must know a destination before it is posted."""
 
@@ -335,6 +336,7 @@ class RD2HScheduler(LateSends, NothingToPull):
     # -- Prefill -------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
+        self.snapshot_sends()  # what meta_after_error compares with, should this raise
         self._handoff_results()  # a failed hand-off's abort goes out with this step
         send_new: list[SendSpec] = []
         send_blocks: list[SendBlocks] = []
@@ -417,44 +419,7 @@ class RD2HScheduler(LateSends, NothingToPull):
         send.done = tokens >= send.num_tokens
         return [(t.ext_id, tokens) for t in send.targets]
 
-    # -- both ----------------------------------------------------------------------------
-
-    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
-        claimed = self._claimed.pop(req_id, None)
-        if claimed is not None:
-            del self._claims[claimed]
-            self._landed.discard(claimed)
-        handoff = self._handoffs.pop(req_id, None)  # claimed, never allocated with its KV: released
-        recv = self._recv.pop(req_id, None)
-        if recv is not None:  # finished while its KV was awaited: stop the pull
-            if recv.handoff is not None:
-                self._asked.pop(recv.ext_id, None)
-                if self._asker is not None:
-                    self._asker.cancel(recv.ext_id)
-            elif not recv.posted and self._poster is not None:
-                self._poster.cancel(recv.ext_id)
-            self._recv_abort.append(recv.ext_id)
-            # vLLM itself holds the blocks of a WAITING_FOR_REMOTE_KVS request until the
-            # workers report it finished-receiving, which they do once the pull stopped.
-            return False, None
-        if handoff is not None:
-            self._release_handoff(request, handoff, nothing=False)
-        params = _params(request)
-        if self.producer and params.get("do_remote_decode") and PARAMS_KEY not in params:
-            return self._hold(request, block_ids)
-        send = self._send.pop(req_id, None)
-        if send is None:
-            return False, None
-        if send.later is not None and not send.targets:  # vLLM finished it before its targets came
-            return self._finished_early(request, send)
-        for target in send.targets:
-            self._sending.pop(target.ext_id, None)
-        if not send.started:  # never reached a worker: nothing reads its blocks
-            return False, None
-        aborted = not send.done or "ABORTED" in str(getattr(request, "status", ""))
-        self._send_finish += [SendFinish(t.ext_id, req_id, aborted) for t in send.targets]
-        return True, None
+    # -- both (request_finished and the hook guards' safe answers: rd2h.vllm.finished) ------
 
     def _hold(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's convention on Prefill: keep a finished request's blocks for a Decode to ask for,
