@@ -41,7 +41,7 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from rd2h.proxy.abandon import ClosingStream, end_once, never_ran, stop_legs
-from rd2h.proxy.bodies import Refused, error_body, error_event, parse_body, prefill_body, read_limited, shape_of
+from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
 from rd2h.proxy.early import all_heard, leg_unless_nothing, nothing_to_prefill, prefill_owes
 from rd2h.proxy.failures import (
     EngineError,
@@ -59,7 +59,6 @@ from rd2h.proxy.failures import (
     RendezvousTimeout,
     cancel,
     error_answer,
-    failure,
     refused,
     settle,
 )  # fmt: skip
@@ -69,6 +68,7 @@ from rd2h.proxy.metrics import ProxyMetrics
 from rd2h.proxy.models import FORWARDED_HEADERS, ModelLengths, models_answer
 from rd2h.proxy.pending import Pending
 from rd2h.proxy.readiness import note_readiness
+from rd2h.proxy.relay import relay
 from rd2h.proxy.warmup import PairTable, warm_up_pairs
 from rd2h.vllm.params import MAX_WAIT, decode_fields, later_fields
 from rd2h.vllm.vouch import VouchError, token, verify
@@ -301,7 +301,7 @@ class Proxy:
             if response is not None:  # a recomputing Decode's, which is no leg
                 await response.aclose()
             raise
-        return ClosingStream(self._relay(response, prefill, pending, (path, body)), status_code=response.status_code,
+        return ClosingStream(relay(self, response, prefill, pending, (path, body)), status_code=response.status_code,
                              headers=answer_headers, on_close=never_ran(self, pending, decode, prefill,
                                                                         response=response))  # fmt: skip
 
@@ -363,69 +363,6 @@ class Proxy:
             await cancel(prefill)
         elif not prefill.cancelled() and prefill.exception() is not None and "recomputed" not in pending.record:
             log.warning("Prefill failed after Decode answered: %s", prefill.exception())
-
-    async def _relay(
-        self, response: httpx.Response, prefill: asyncio.Task[None], pending: Pending,
-        request: tuple[str, dict[str, Any]], rewriter: Any = None,
-    ) -> AsyncIterator[bytes]:
-        """Decode's stream. Until its first chunk, a Prefill failure ends it with an error event
-        (or, under Decode's ``recompute`` policy, switches to a Decode computing the prompt);
-        after it, Decode had its KV whole (it emits nothing before) and Prefill no longer matters.
-        ``rewriter`` (feed, flush; ValueError: Decode sent what it cannot read) rewrites the chunks."""
-        chunks = response.aiter_raw()
-        status, kind, error = response.status_code, "", ""
-        relayed = False
-        try:
-            while True:
-                # a task only while Prefill may still fail the stream; then each chunk at once
-                next_chunk = chunks.__anext__() if relayed else asyncio.ensure_future(chunks.__anext__())
-                if not relayed:
-                    await asyncio.wait({next_chunk, prefill}, return_when=asyncio.FIRST_COMPLETED)
-                # Prefill's failure matters until the first chunk, unless it was settled already
-                # (handle() recomputed when Prefill failed before Decode's headers came)
-                failed = not relayed and "recomputed" not in pending.record and failure(prefill)
-                if failed:
-                    await cancel(next_chunk)
-                    if isinstance(failed, PrefillFailed) and pending.recompute:
-                        await response.aclose()
-                        try:
-                            response = await self.recompute(pending, *request, failed)
-                        except EngineError as exc:
-                            failed = exc
-                        else:
-                            chunks, status, relayed = response.aiter_raw(), response.status_code, True
-                            continue
-                    status, error = 502, str(failed)
-                    kind = getattr(failed, "kind", "engine_failed")
-                    yield error_event(error, status)  # no [DONE]: the stream failed
-                    return
-                try:
-                    chunk = await next_chunk
-                    out = chunk if rewriter is None else rewriter.feed(chunk)
-                except StopAsyncIteration:
-                    if rewriter is not None and (rest := rewriter.flush()):
-                        yield rest
-                    return
-                except ValueError as exc:  # Decode sent what the rewriter cannot read
-                    status, kind, error = 502, "decode_failed", f"Decode: {exc}"
-                    yield error_event(error, status)
-                    return
-                except httpx.TransportError as exc:  # Decode died mid-stream
-                    status, kind, error = 502, "decode_failed", f"Decode: {type(exc).__name__}: {exc}"
-                    yield error_event(error, status)
-                    return
-                if chunk and not relayed:
-                    self._first_byte(pending)
-                relayed = relayed or bool(chunk)
-                if out:
-                    yield out
-        except (GeneratorExit, asyncio.CancelledError):  # closed before its end: the client went away
-            status, kind, error = 499, "cancelled", "the client went away"
-            raise
-        finally:
-            await response.aclose()
-            await self._settle(prefill, pending)
-            self.finish(pending, status, error, kind=kind)
 
     def _first_byte(self, pending: Pending) -> None:
         pending.mark("first_byte")

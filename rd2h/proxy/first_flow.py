@@ -50,6 +50,7 @@ from rd2h.proxy.first_token import (
     why_not,
 )  # fmt: skip
 from rd2h.proxy.models import too_long
+from rd2h.proxy.relay import relay
 from rd2h.vllm.params import MAX_WAIT, decode_fields, later_fields
 
 if TYPE_CHECKING:
@@ -247,7 +248,7 @@ async def _stream(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, 
     """A streamed request: the first token at once, then Decode's stream rewritten as the rest
     (``first`` None: Decode's stream as it is)."""
     owes = legs[1]  # Prefill's part: settled once Decode answered
-    relayed = False  # once Decode's stream is relayed, _relay ends the request
+    relayed = False  # once Decode's stream is relayed, relay() ends the request
     try:
         if first is not None:
             yield first_chunks(first, body, last=False)
@@ -271,8 +272,8 @@ async def _stream(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, 
         if first is not None:
             proxy.metrics.first_token.labels("continued").inc()
         rewriter = None if first is None else StreamRewriter(first)
-        async with contextlib.aclosing(proxy._relay(response, owes, pending, request, rewriter)) as relay:
-            async for raw in relay:  # closed with this stream (the client gone): Decode's stream closes at once
+        async with contextlib.aclosing(relay(proxy, response, owes, pending, request, rewriter)) as decodes:
+            async for raw in decodes:  # closed with this stream (the client gone): Decode's stream closes at once
                 yield raw
     finally:
         if not relayed:
