@@ -214,7 +214,12 @@ class Proxy:
         if self.config.targets_url:
             fields = later_fields(self.config.secret, pending.rid, pending.prompts, self.config.targets_url,
                                   min(self.config.rendezvous_timeout, MAX_WAIT), time.time())  # fmt: skip
-            await leg_unless_nothing(pending, self._prefill_leg(pending, path, body, fields))
+            try:
+                await leg_unless_nothing(pending, self._prefill_leg(pending, path, body, fields))
+            except asyncio.CancelledError:  # Decode answered (or the client left) while the leg was stopped
+                if pending.nothing:
+                    nothing_to_prefill(self, pending)
+                raise
         # shielded (one turn of the loop more than awaited directly): this task cancelled (Decode failed)
         # must not cancel the future Prefill's ask waits on; finish() settles it, the ask gets 410
         await asyncio.shield(pending.all_in)

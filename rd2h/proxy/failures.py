@@ -59,11 +59,19 @@ def failure(task: asyncio.Future[Any]) -> BaseException | None:
 
 
 async def cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it ended (an answer it had is closed): how it ended is not
+    the caller's concern, its cancellation included. This task's own cancellation while it waits
+    (the client went away) is: it propagates once ``task`` ended, so the request ends as the client
+    gone (499), not as the failure that had it cancel ``task``."""
+    current = asyncio.current_task()
+    before = current.cancelling() if current is not None else 0
     task.cancel()
-    with contextlib.suppress(BaseException):
-        result = await task
-        if isinstance(result, httpx.Response):
-            await result.aclose()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await task
+    if task.done() and not task.cancelled() and task.exception() is None and isinstance(task.result(), httpx.Response):
+        await task.result().aclose()  # it answered before the cancellation reached it
+    if current is not None and current.cancelling() > before:
+        raise asyncio.CancelledError
 
 
 def refused(metrics: Any, what: str, exc: Exception) -> JSONResponse:
