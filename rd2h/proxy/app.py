@@ -194,6 +194,9 @@ class Proxy:
                 instance.outstanding -= 1
                 pool.mark_down(instance, f"{type(exc).__name__} while it held a request", dead=gone_for_good(exc))
                 raise EngineError(f"{url}: {type(exc).__name__}: {exc}") from exc
+            except httpx.HTTPError as exc:  # e.g. a body its content-encoding does not decode: its failure, alive
+                instance.outstanding -= 1
+                raise EngineError(f"{url}: {type(exc).__name__}: {exc}") from exc
             except BaseException:  # cancelled: the request is no longer outstanding there
                 instance.outstanding -= 1
                 raise

@@ -12,6 +12,7 @@ import asyncio
 import httpx
 import pytest
 import test_proxy
+from test_proxy_first_token import metric
 from test_proxy_gone import BOUND, assert_gone
 
 # -- a second cancellation -----------------------------------------------------------------------
@@ -44,3 +45,31 @@ def test_a_client_gone_while_the_proxy_stops_decode_after_prefill_failed_is_a_49
         assert "prefill_failed" not in (await client.get("/metrics")).text
 
     test_proxy.run(scenario, prefill_fails=True)
+
+
+# -- an answer httpx cannot read ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("role", "kind"), [("prefill", "prefill_failed"), ("decode", "engine_failed")])
+def test_an_engine_answer_that_does_not_decode_is_that_engines_502(role: str, kind: str) -> None:
+    """A body its content-encoding does not decode raises httpx.DecodingError, which is no
+    TransportError: the engine failed the request (502 naming it and the error), not the proxy."""
+    async def scenario(client: httpx.AsyncClient, engines: test_proxy.Engines) -> None:
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.host == role:
+                return httpx.Response(200, content=b"not gzip", headers={"content-encoding": "gzip"})
+            return await engines(request)
+
+        engines.public_proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        answer = await client.post("/v1/completions", json={"model": "m", "prompt": "a"})
+        assert answer.status_code == 502, answer.text
+        message = answer.json()["error"]["message"]
+        assert f"http://{role}/v1/completions" in message and "DecodingError" in message, message
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, f'rd2h_proxy_errors_total{{kind="{kind}"}}') == 1
+        assert metric(scrape, 'rd2h_proxy_errors_total{kind="proxy_failed"}') == 0
+        proxy = engines.public_proxy
+        assert proxy.pending == {} and all(i.up and i.outstanding == 0 for pool in (
+            proxy.prefill_pool, proxy.decode_pool) for i in pool.instances)  # fmt: skip
+
+    test_proxy.run(scenario)
