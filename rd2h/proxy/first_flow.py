@@ -269,12 +269,12 @@ async def _stream(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, 
             yield error_event(message, 502)
             return
         relayed = True
-        if first is not None:
-            proxy.metrics.first_token.labels("continued").inc()
         rewriter = None if first is None else StreamRewriter(first)
         async with contextlib.aclosing(relay(proxy, response, owes, pending, request, rewriter)) as decodes:
             async for raw in decodes:  # closed with this stream (the client gone): Decode's stream closes at once
                 yield raw
+        if first is not None:  # counted once the relay ended it: a stream that failed on the way is no continued one
+            proxy.metrics.first_token.labels("continued" if pending.record.get("status") == 200 else "failed").inc()
     finally:
         if not relayed:
             await stop_legs(*legs)

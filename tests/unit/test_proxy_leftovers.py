@@ -8,12 +8,17 @@ breaks is counted ``failed`` once. The engines are test_proxy's and test_proxy_f
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 import httpx
 import pytest
 import test_proxy
-from test_proxy_first_token import metric
+import test_proxy_first_token as first_token
+from test_proxy_first_token import GREEDY, MALFORMED, engines_as, events, metric
 from test_proxy_gone import BOUND, assert_gone
+
+from rd2h.proxy.bodies import event
 
 # -- a second cancellation -----------------------------------------------------------------------
 
@@ -73,3 +78,48 @@ def test_an_engine_answer_that_does_not_decode_is_that_engines_502(role: str, ki
             proxy.prefill_pool, proxy.decode_pool) for i in pool.instances)  # fmt: skip
 
     test_proxy.run(scenario)
+
+
+# -- the first-token flow's outcome -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_answer_of_another_shape_is_counted_failed_once(stream: bool) -> None:
+    change, _ = MALFORMED["text_not_a_string"]
+
+    async def scenario(client: httpx.AsyncClient, engines: first_token.Engines) -> None:
+        async def odd(request: httpx.Request) -> httpx.Response:
+            answer = await engines(request)
+            if request.url.host != "decode" or request.method != "POST":
+                return answer
+            if not stream:
+                return httpx.Response(200, json=change(answer.json()))
+
+            async def mangled() -> Any:
+                async for raw in answer.stream:  # type: ignore[union-attr]
+                    yield raw if raw == b"data: [DONE]\n\n" else event(change(json.loads(raw[6:])))
+
+            return httpx.Response(200, content=mangled(), headers={"content-type": "text/event-stream"})
+
+        engines_as(client, odd)
+        answer = await client.post("/v1/completions", json={**GREEDY, "stream": stream})
+        if stream:
+            assert "error" in events(answer.content)[-1]
+        else:
+            assert answer.status_code == 502
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 1
+        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="continued"}') == 0
+
+    first_token.run(scenario)
+
+
+def test_a_stream_decode_ended_well_is_counted_continued_once() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: first_token.Engines) -> None:
+        answer = await client.post("/v1/completions", json={**GREEDY, "stream": True})
+        assert events(answer.content)[-1] == "[DONE]"
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="continued"}') == 1
+        assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 0
+
+    first_token.run(scenario)
