@@ -137,6 +137,7 @@ class Proxy:
     async def stop(self) -> None:
         for task in filter(None, (self._checks, self._warming)):
             await cancel(task)
+        await self.model_lengths.stop()  # a Decode's listing asked for a request
         if self.client is not None:
             await self.client.aclose()
             self.client = None
@@ -160,13 +161,13 @@ class Proxy:
 
     # -- engines -------------------------------------------------------------------------
 
-    async def _send(self, pool: Pool, path: str, body: dict[str, Any], *, stream: bool,
-                    pending: Pending) -> httpx.Response:
-        """POST to the up instance with the fewest outstanding requests; a connect error takes
-        it out of rotation and moves on (with backoff). A streamed answer stays outstanding
-        on its instance until the request ends (:meth:`finish`)."""
+    async def _send(self, pool: Pool, path: str, body: dict[str, Any], *, stream: bool, pending: Pending,
+                    avoid: frozenset[str] = frozenset()) -> httpx.Response:
+        """POST to the up instance with the fewest outstanding requests (not one in ``avoid``, while
+        another may take it); a connect error takes it out of rotation and moves on (with backoff).
+        A streamed answer stays outstanding on its instance until the request ends (:meth:`finish`)."""
         assert self.client is not None
-        delay, tried = self.config.backoff, set()
+        delay, tried = self.config.backoff, set(avoid)
         timeout = httpx.Timeout(self.config.request_timeout, connect=self.config.connect_timeout)
         for attempt in range(self.config.retries + 1):
             # up ones first; when every one is down or tried, still try (a restart is not seen yet)

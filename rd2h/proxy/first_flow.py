@@ -49,7 +49,7 @@ from rd2h.proxy.first_token import (
     splits_a_character,
     why_not,
 )  # fmt: skip
-from rd2h.proxy.models import too_long
+from rd2h.proxy.models import refusal
 from rd2h.proxy.relay import relay
 from rd2h.vllm.params import MAX_WAIT, decode_fields, later_fields
 
@@ -74,7 +74,7 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     pending = proxy.open(path, 1, headers, arrived=arrived)  # its rendezvous timeout armed
     answer_headers = {"x-request-id": headers["x-request-id"]}
     stream = bool(body.get("stream"))
-    # the model's length, learned while Prefill computes (once per Decode instance): _too_long checks it
+    # the model's length, learned while Prefill computes (once per Decode process): _too_long checks it
     limits = proxy.model_lengths.learn(proxy.client, proxy.decode_pool, proxy.config.connect_timeout, pending.headers)
     try:
         first, failed = await _prefill(proxy, pending, path, body)
@@ -84,8 +84,9 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     if failed is not None:
         return failed
     assert first is not None
-    if (refusal := await _too_long(proxy, pending, first, body, limits)) is not None:
-        return refusal
+    refused, too_short = await _too_long(proxy, pending, first, body, limits)
+    if refused is not None:
+        return refused
     if ends_at_first(first, body):
         return ended_at_first(proxy, pending, first, body, answer_headers)
     ours: First | None = first
@@ -99,7 +100,8 @@ async def first_token_answer(proxy: Proxy, path: str, body: dict[str, Any], head
     decode_body = {**leg, "kv_transfer_params": {"do_remote_prefill": True, "rd2h": decode_fields(
         proxy.config.secret, pending.rid, 1, 1, time.time(), tail=tail)}}  # fmt: skip
     owes = asyncio.create_task(_owes(pending))
-    decode = asyncio.create_task(proxy._send(proxy.decode_pool, path, decode_body, stream=stream, pending=pending))
+    decode = asyncio.create_task(proxy._send(proxy.decode_pool, path, decode_body, stream=stream, pending=pending,
+                                             avoid=too_short))  # fmt: skip
     if stream:
         return ClosingStream(_stream(proxy, pending, (path, leg), ours, body, (decode, owes)),
                              on_close=never_ran(proxy, pending, decode, owes),
@@ -146,23 +148,24 @@ async def _prefill(proxy: Proxy, pending: Pending, path: str, body: dict[str, An
 
 
 async def _too_long(proxy: Proxy, pending: Pending, first: First, body: dict[str, Any],
-                   limits: asyncio.Future[Any] | None) -> Response | None:
+                   limits: asyncio.Future[Any] | None) -> tuple[Response | None, frozenset[str]]:
     """The client's 400 (vLLM's) when the prompt Prefill read plus ``max_tokens`` exceeds the model's
-    length on Decode, before the first token goes out; None when it fits or the length is unknown."""
+    length on every Decode up, before the first token goes out, else None; and the Decodes known
+    too short for it, which Decode's leg must avoid (:func:`rd2h.proxy.models.refusal`)."""
     try:
         if limits is not None:  # the listings are shared: one request gone must not cancel them
             await asyncio.shield(limits)
     except BaseException as exc:
         _ended_by(proxy, pending, exc)
         raise
-    limit = proxy.model_lengths.limit(proxy.decode_pool, body.get("model"))
-    message = too_long(len(first.prompt_ids), body.get("max_tokens", DEFAULT_MAX_TOKENS), limit)
+    lengths = proxy.model_lengths.lengths(proxy.decode_pool, body.get("model"))
+    message, too_short = refusal(len(first.prompt_ids), body.get("max_tokens", DEFAULT_MAX_TOKENS), lengths)
     if message is None:
-        return None
+        return None, too_short
     proxy.metrics.first_token.labels("failed").inc()
     proxy.finish(pending, 400, message, kind="refused")  # Prefill's ask for targets gets 410
     return JSONResponse(error_body(message, "invalid_request_error", 400), 400,
-                        headers={"x-request-id": pending.headers["x-request-id"]})
+                        headers={"x-request-id": pending.headers["x-request-id"]}), too_short
 
 
 def _ended_by(proxy: Proxy, pending: Pending, exc: BaseException) -> None:

@@ -1,37 +1,42 @@
 """The models the Decode engines serve, as their ``GET /v1/models`` lists them: the proxy's own
 ``/v1/models`` (a Decode's answer, passed on) and each model's ``max_model_len``, learned once
-per Decode instance and process (its ``epoch``) and kept.
+per Decode instance and process (its ``epoch``), and asked again in the background once older
+than ``MAX_AGE`` (a Decode restarted with another length between two health checks keeps its
+epoch: its new length is known within ``MAX_AGE``).
 
 The first-token mode needs the length: Prefill's leg asks for one token, so Prefill takes a
 request whose prompt fits but whose prompt plus ``max_tokens`` does not; only Decode refuses it,
 after the client had its first token. With the length known, the proxy refuses it as one engine
-does, before that token (:func:`too_long`). Where no Decode's length is known (its list failed,
-or names no ``max_model_len``), nothing is checked and Decode's refusal follows the first token,
-as before.
+does, before that token (:func:`refusal`), when no Decode up can take it; one that cannot is not
+sent it. Where a Decode's length is not known (its list failed, or names no ``max_model_len``), it
+may take any request, and its refusal follows the first token, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from rd2h.proxy.failures import error_answer
+from rd2h.proxy.failures import cancel, error_answer
 from rd2h.proxy.first_token import read_json
 from rd2h.proxy.instances import Instance, Pool
 
 if TYPE_CHECKING:
     from rd2h.proxy.app import Proxy
 
-__all__ = ["ModelLengths", "lengths_of", "models_answer", "too_long"]
+__all__ = ["MAX_AGE", "ModelLengths", "lengths_of", "models_answer", "refusal", "too_long"]
 
 log = logging.getLogger("rd2h.proxy")
 
 FORWARDED_HEADERS = ("authorization", "x-request-id")
+MAX_AGE = 60.0  # seconds a learned length is used before it is asked again (behind the requests, never before one)
 
 
 def lengths_of(listing: Any) -> dict[str, int]:
@@ -47,31 +52,37 @@ def lengths_of(listing: Any) -> dict[str, int]:
 
 class ModelLengths:
     """``max_model_len`` per Decode instance, learned from its ``/v1/models`` once per epoch (a
-    restarted engine may serve another length). A failed listing is not asked again in that epoch,
-    except one refused for the client's key (401, 403: the listing goes with the client's headers)."""
+    restarted engine may serve another length) and asked again, in the background, once older than
+    ``max_age`` (a restart the health checks did not see). A failed listing is not asked again in
+    that epoch, except one refused for the client's key (401, 403: the listing goes with the
+    client's headers); a failed refresh keeps what the process said until ``max_age`` more."""
 
-    def __init__(self) -> None:
-        self._known: dict[str, tuple[int, dict[str, int]]] = {}  # url -> (epoch, {model id: length})
+    def __init__(self, max_age: float = MAX_AGE, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_age, self._clock = max_age, clock
+        self._known: dict[str, tuple[int, dict[str, int], float]] = {}  # url -> (epoch, {model: length}, when)
         self._asking: dict[str, asyncio.Task[None]] = {}  # one listing in flight per instance
 
     def note(self, instance: Instance, listing: Any) -> None:
-        self._known[instance.url] = (instance.epoch, lengths_of(listing))
+        self._known[instance.url] = (instance.epoch, lengths_of(listing), self._clock())
 
     def learn(self, client: httpx.AsyncClient, pool: Pool, timeout: float,
               headers: dict[str, str]) -> asyncio.Future[Any] | None:
         """The listings still to learn (up instances not known in their epoch), asked concurrently
         (with the client's ``headers``: an engine may want its API key); None when there is none.
-        Each is shared by every request that waits for it."""
+        Each is shared by every request that waits for it. A length known but older than
+        ``max_age`` is asked again too, but nobody waits for it: the known one serves meanwhile."""
         tasks = []
         for instance in pool.instances:
             known = self._known.get(instance.url)
-            if not instance.up or (known is not None and known[0] == instance.epoch):
+            learned = known is not None and known[0] == instance.epoch
+            if not instance.up or (known is not None and learned and self._clock() - known[2] < self.max_age):
                 continue
             task = self._asking.get(instance.url)
             if task is None or task.done():
                 task = self._asking[instance.url] = asyncio.create_task(
                     self._ask(client, instance, timeout, headers))
-            tasks.append(task)
+            if not learned:
+                tasks.append(task)
         return asyncio.gather(*tasks) if tasks else None
 
     async def _ask(self, client: httpx.AsyncClient, instance: Instance, timeout: float,
@@ -86,22 +97,45 @@ class ModelLengths:
         except (httpx.HTTPError, ValueError) as exc:  # ValueError: also a listing too deep for json to read
             log.info("decode %s: /v1/models: %s: its max_model_len stays unknown", instance.url, exc)
             listing = None
-        if instance.epoch == epoch:
-            self._known[instance.url] = (epoch, lengths_of(listing))
-
-    def limit(self, pool: Pool, model: Any) -> int | None:
-        """The smallest ``max_model_len`` a Decode instance knows for ``model`` (a request without a
-        model: the first one each lists, as vLLM serves it), or None when none is known."""
-        found = []
-        for instance in pool.instances:
-            known = self._known.get(instance.url)
-            if known is None or known[0] != instance.epoch or not known[1]:
-                continue
+        if instance.epoch != epoch:
+            return
+        known = self._known.get(instance.url)
+        if listing is None and known is not None and known[0] == epoch:  # a refresh failed: what it said stands
             lengths = known[1]
-            length = lengths.get(model) if isinstance(model, str) else next(iter(lengths.values()))
-            if length is not None:
-                found.append(length)
-        return min(found) if found else None
+        else:
+            lengths = lengths_of(listing)
+        self._known[instance.url] = (epoch, lengths, self._clock())
+
+    def lengths(self, pool: Pool, model: Any) -> dict[str, int | None]:
+        """Each up Decode instance's ``max_model_len`` for ``model`` (a request without a model: the
+        first one it lists, as vLLM serves it); None where it is not known."""
+        found: dict[str, int | None] = {}
+        for instance in pool.instances:
+            if not instance.up:
+                continue
+            known = self._known.get(instance.url)
+            lengths = known[1] if known is not None and known[0] == instance.epoch else {}
+            found[instance.url] = (lengths.get(model) if isinstance(model, str)
+                                   else next(iter(lengths.values()), None))  # fmt: skip
+        return found
+
+    async def stop(self) -> None:
+        """The listings in flight end (the proxy stops)."""
+        for task in list(self._asking.values()):
+            await cancel(task)
+        self._asking.clear()
+
+
+def refusal(prompt_tokens: int, max_tokens: int, lengths: dict[str, int | None]) -> tuple[str | None, frozenset[str]]:
+    """``(vLLM's refusal, the instances known too short)`` of a request, given each up Decode's length
+    (:meth:`ModelLengths.lengths`): refused (with the largest length) only when every one is known too
+    short; otherwise the request may go on, but not to those (Decode's instance is picked later, among
+    the others: the length checked is that of any instance it may go to)."""
+    short = frozenset(url for url, length in lengths.items()
+                      if length is not None and prompt_tokens + max_tokens > length)  # fmt: skip
+    if not lengths or len(short) < len(lengths):
+        return None, short
+    return too_long(prompt_tokens, max_tokens, max(n for n in lengths.values() if n is not None)), short
 
 
 def too_long(prompt_tokens: int, max_tokens: int, limit: int | None) -> str | None:

@@ -15,10 +15,13 @@ import httpx
 import pytest
 import test_proxy
 import test_proxy_first_token as first_token
+from test_proxy_first_limits import listing
 from test_proxy_first_token import GREEDY, MALFORMED, engines_as, events, metric
 from test_proxy_gone import BOUND, assert_gone
 
 from rd2h.proxy.bodies import event
+from rd2h.proxy.instances import Pool
+from rd2h.proxy.models import ModelLengths, refusal
 
 # -- a second cancellation -----------------------------------------------------------------------
 
@@ -121,5 +124,102 @@ def test_a_stream_decode_ended_well_is_counted_continued_once() -> None:
         scrape = (await client.get("/metrics")).text
         assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="continued"}') == 1
         assert metric(scrape, 'rd2h_proxy_first_token_requests_total{outcome="failed"}') == 0
+
+    first_token.run(scenario)
+
+
+# -- Decode's max_model_len ------------------------------------------------------------------------
+
+
+def test_the_length_checked_is_that_of_the_decodes_a_request_may_go_to() -> None:
+    """Decodes of different lengths: a request that fits one goes to it, not refused for the
+    other's; refused (naming the largest) only when none can take it."""
+    async def scenario(client: httpx.AsyncClient, engines: first_token.Engines) -> None:
+        served: list[str] = []
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.method == "GET" and request.url.path == "/v1/models":
+                return httpx.Response(200, json=listing({"decode": 6, "decode2": 100}[request.url.host]))
+            if request.method == "POST" and request.url.host != "prefill":
+                served.append(request.url.host)
+            return await engines(request)
+
+        proxy = engines_as(client, handle)
+        proxy.decode_pool = Pool("decode", ["http://decode", "http://decode2"])
+        for _ in range(2):  # the prompt is 3 tokens, max_tokens 4: 7, past decode's 6
+            engines.asks.clear()
+            answer = await client.post("/v1/completions", json=GREEDY)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "ABCD", answer.text
+        assert served == ["decode2", "decode2"]
+        refused = await client.post("/v1/completions", json={**GREEDY, "max_tokens": 98})
+        assert refused.status_code == 400 and "maximum context length is 100 tokens" in refused.text, refused.text
+        assert served == ["decode2", "decode2"]
+
+    first_token.run(scenario)
+
+
+def test_a_refusal_needs_every_decode_up_known_too_short() -> None:
+    assert refusal(3, 4, {"a": 6, "b": 100}) == (None, frozenset({"a"}))
+    assert refusal(3, 4, {"a": 6, "b": None}) == (None, frozenset({"a"}))  # b's length unknown: it may fit
+    assert refusal(3, 4, {}) == (None, frozenset())
+    message, short = refusal(3, 4, {"a": 6, "b": 5})
+    assert short == {"a", "b"} and message is not None and "maximum context length is 6 tokens" in message
+
+
+def test_a_length_learned_is_asked_again_once_old_behind_the_requests() -> None:
+    """A Decode restarted with another length between two health checks keeps its epoch: its
+    length is asked again once older than max_age, while the old one still serves (no request
+    waits for the listing), and the new one serves from its answer on."""
+    async def scenario(client: httpx.AsyncClient, engines: first_token.Engines) -> None:
+        now, length, asked = [0.0], [6], []
+        refreshing, release = asyncio.Event(), asyncio.Event()
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.method == "GET" and request.url.path == "/v1/models":
+                asked.append(length[0])
+                if len(asked) == 2:  # the refresh: held until the test lets it answer
+                    refreshing.set()
+                    await release.wait()
+                return httpx.Response(200, json=listing(length[0]))
+            return await engines(request)
+
+        async def post() -> httpx.Response:
+            engines.asks.clear()
+            return await client.post("/v1/completions", json=GREEDY)  # 3 prompt tokens, max_tokens 4: 7
+
+        proxy = engines_as(client, handle)
+        proxy.model_lengths = lengths = ModelLengths(max_age=60.0, clock=lambda: now[0])
+        assert (await post()).status_code == 400 and asked == [6]
+        length[0] = 100  # restarted with a longer context
+        now[0] = 59.0
+        assert (await post()).status_code == 400 and asked == [6]  # not old yet: not asked
+        now[0] = 61.0
+        assert (await post()).status_code == 400  # the old length serves while it is asked again
+        await asyncio.wait_for(refreshing.wait(), BOUND)
+        assert asked == [6, 100]
+        release.set()
+        await asyncio.wait_for(lengths._asking["http://decode"], BOUND)
+        assert (await post()).status_code == 200 and asked == [6, 100]
+
+    first_token.run(scenario)
+
+
+def test_a_listing_in_flight_ends_when_the_proxy_stops() -> None:
+    async def scenario(client: httpx.AsyncClient, engines: first_token.Engines) -> None:
+        asked, ended = asyncio.Event(), asyncio.Event()
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            asked.set()
+            try:
+                await asyncio.Event().wait()  # a Decode that never answers its /v1/models
+            finally:
+                ended.set()
+            raise AssertionError("unreachable")
+
+        proxy = engines_as(client, handle)
+        assert proxy.model_lengths.learn(proxy.client, proxy.decode_pool, BOUND, {}) is not None
+        await asyncio.wait_for(asked.wait(), BOUND)
+        await proxy.stop()
+        assert ended.is_set()
 
     first_token.run(scenario)
