@@ -395,7 +395,7 @@ class RD2HConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._hook_failed("update_state_after_alloc", request, "its load fails" if waits else "nothing more")
             if waits:  # each worker reports it finished-receiving and failed in the next step
                 self._failed_loads.fail(request, blocks)
-                self._guarded("update_state_after_alloc", request, self.scheduler.drop_load, request)
+            self._guarded("update_state_after_alloc", request, self.scheduler.undo_alloc, request, waits)
 
     def _uncut(self, request: Any) -> bool:
         """A Mamba model's Prefill leg, signed, whose prompt was not cut short of its last token

@@ -11,9 +11,11 @@ The safe answer never frees blocks a transfer may still read, and never holds th
   Its claim on an id goes, so that no sample of ``n`` waits for it.
 - ``update_state_after_alloc`` raised for a request vLLM now waits for (an asynchronous load,
   ``WAITING_FOR_REMOTE_KVS``): no worker knows of its pull, so none would ever report it. What was
-  made of the pull is undone (:meth:`Finishing.drop_load`) and :class:`FailedLoads` has every worker
+  made of the pull is undone (:meth:`Finishing.undo_alloc`) and :class:`FailedLoads` has every worker
   report it finished-receiving and failed in the next step: vLLM's ``kv_load_failure_policy``
-  fails it or computes it here (rd2h never matches it again).
+  fails it or computes it here (rd2h never matches it again). A pull that had taken its hand-off
+  releases it too. For any other request a send it began to track, never started, is forgotten: its
+  targets may never have been asked for, and a finish would hold its blocks for them forever.
 - ``build_connector_meta`` raised (:meth:`Finishing.meta_after_error`): what was queued for the
   workers before the step goes out; a send whose first blocks this step would have announced is
   dropped (its Decode fails at its deadline; vLLM frees its blocks); one preempted in this step
@@ -128,13 +130,20 @@ class Finishing:
             self._send_finish += [SendFinish(t.ext_id, req_id, True) for t in send.targets]  # type: ignore[arg-type]
         return True, None
 
-    def drop_load(self, request: Any) -> None:
-        """``update_state_after_alloc`` raised for ``request``, whose KV vLLM now waits for: its
-        pull never goes to a worker, its claim and hand-off go, and it never pulls again."""
+    def undo_alloc(self, request: Any, load: bool) -> None:
+        """``update_state_after_alloc`` raised for ``request``. ``load``: vLLM now waits for its KV:
+        its pull never goes to a worker, its claim and hand-off go (one its pull had taken too),
+        and it never pulls again. Else a send it began to track and never started is forgotten:
+        no finish holds its blocks for targets never asked for (a started one is the workers')."""
         req_id = request.request_id
+        if not load:
+            send = self._send.get(req_id)
+            if send is not None and not send.started:
+                self._drop_send(req_id, send)
+            return
         self._recv_new = [spec for spec in self._recv_new if spec.req_id != req_id]  # not sent yet
-        self._recv.pop(req_id, None)
-        handoff = self._handoffs.pop(req_id, None)
+        recv = self._recv.pop(req_id, None)
+        handoff = self._handoffs.pop(req_id, None) or (recv.handoff if recv is not None else None)
         if handoff is not None:  # every Prefill rank frees the held blocks now
             self._release_handoff(request, handoff, nothing=False)
         ext_id = self._claimed.get(req_id)

@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_vllm_handoff_release import decode_request, freed_by, port_of, prefill  # noqa: F401 - prefill: a fixture
 from test_vllm_hook_errors import bug
+from test_vllm_late_targets import later, prefill_whole_prompt
 from test_vllm_scheduler import decode_params, ext, meta_of, prefill_params
 from vllm_kit import BLOCK, make_request, make_scheduler, runner_output, write_model
 
 from rd2h.vllm.metadata import WorkerReport
+from rd2h.vllm.worker import RD2HWorker
 
 
 @pytest.fixture(scope="module")
@@ -153,4 +156,45 @@ def test_a_metadata_error_still_sends_what_was_queued_and_drops_sends_not_announ
     scheduler.update_from_output(out, runner_output(out, sampled={req: 7}))
     assert pool.get_num_free_blocks() == free  # no worker knew its blocks: freed at its finish, never held
     assert not meta_of(scheduler.schedule()).send_finish
+    connector.shutdown()
+
+
+def test_a_late_send_whose_allocation_hook_raised_never_holds_its_blocks(
+    model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill asked at once: the hook raised once the send was tracked, before its targets were
+    asked for. Its finish must not hold the blocks for targets that never come (nothing would free them)."""
+    scheduler, _ = make_scheduler(model, "kv_producer", batched=128)
+    connector, pool = scheduler.connector, scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    monkeypatch.setattr(connector.scheduler, "_ask_targets", bug)
+    req = "cmpl-g7-0-abcdef12"
+    scheduler.add_request(make_request(req, 40, later("g7"), max_tokens=1))
+    prefill_whole_prompt(scheduler, req)  # computed, finished
+    assert hook_errors(connector, caplog) == ["update_state_after_alloc"]
+    assert pool.get_num_free_blocks() == free and not connector.scheduler._send  # freed at its finish
+    connector.shutdown()
+
+
+def test_a_handoff_pull_whose_allocation_hook_raised_late_still_releases_the_hold(
+    model: Path, prefill: RD2HWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    """vLLM's P/D convention: the hook raised once the pull had taken the hand-off: every Prefill
+    rank is still told to free the held blocks now, not at its hold_timeout."""
+
+    class Stats(dict):  # raises once the pull's record (with the hand-off) is made
+        def __setitem__(self, key: str, value: int) -> None:
+            if key == "pulled_tokens":
+                bug()
+            super().__setitem__(key, value)
+
+    scheduler, _ = make_scheduler(model, "kv_consumer")
+    connector = scheduler.connector
+    monkeypatch.setattr(connector.scheduler, "stats", Stats(connector.scheduler.stats))
+    request = decode_request("cmpl-g8-0-abcdef12", port_of(prefill))
+    assert connector.get_num_new_matched_tokens(request, 0) == (100, True)
+    connector.update_state_after_alloc(request, ((0, 1, 2, 3),), 100)
+    assert hook_errors(connector, caplog) == ["update_state_after_alloc"]
+    assert freed_by(prefill) == {"p-req"}
+    assert connector.scheduler.stats["handoff_released"] == 1 and not connector.scheduler._recv
     connector.shutdown()
