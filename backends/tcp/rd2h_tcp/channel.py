@@ -33,15 +33,18 @@ class TcpChannel(ControlChannel):
         a peer that announces a larger one has its connection closed before the payload is
         read (counted in ``TcpListener.refused``; the other peers are not affected).
     ``send_timeout`` (5.0 s)
-        How long a dialer's ``connect`` or ``send`` may wait for a Decode that does not take
-        its bytes; then ``ChannelError`` (a frame half written closes the connection, so the
-        stream is never corrupt). A send never blocks forever.
+        How long a dialer's ``connect`` may wait, and a frame may wait in a dialer's outbox for
+        a Decode that does not take its bytes; then that connection alone is reset (a frame
+        half written never corrupts the stream) and the next send to it raises
+        ``ChannelError``. A send itself never waits for a Decode.
     ``high_water_mark`` (1000) and ``max_queued_bytes`` (256 MiB)
         Per peer, in a listener: replies held for a peer whose socket buffer is full (it does
         not read) before one more is dropped, counted in ``dropped`` and raised as
         ``ChannelError``; Decode's loop never blocks on a peer. Inbound, a listener stops
         reading a peer that has ``max_queued_bytes`` of frames waiting for ``recv`` until they
-        are taken (the kernel's buffer, then the peer's ``send_timeout``, hold the rest).
+        are taken (the kernel's buffer, then the peer's ``send_timeout``, hold the rest). A
+        dialer fails a connection at once when more than ``max_queued_bytes`` would wait in its
+        outbox.
     ``max_unadmitted_connections`` (256)
         Connections a listener keeps open that carry no peer Decode admitted (``vouch``): the
         policy the zmq channel uses too (``rd2h.connection_book``: from a quarter of it on, refused,
