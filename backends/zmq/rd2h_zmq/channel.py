@@ -33,10 +33,12 @@ class ZmqChannel(ControlChannel):
         ``FrameTooLargeError``; a peer that sends one is disconnected by libzmq (the frame is
         never delivered, the peer reconnects by itself, others are not affected).
     ``send_timeout`` (5.0 s)
-        How long a send may wait when ``high_water_mark`` frames are already queued for a
-        peer that does not drain them; then ``ChannelError``. A send never blocks forever.
+        How long a frame may wait in a dialer's outbox when ``high_water_mark`` frames are
+        already queued for a peer that does not drain them; then that connection alone is
+        closed and the next send to it raises ``ChannelError``. A send itself never waits.
     ``high_water_mark`` (1000)
-        Frames queued per connection in each direction (a listener may queue fewer, below).
+        Frames queued per connection in each direction (a listener may queue fewer, below); a
+        dialer holds as many again in the connection's outbox, and one more fails it at once.
     ``max_queued_bytes`` (256 MiB)
         Memory one peer may fill in a listener's inbound queue: the listener queues at most
         ``max_queued_bytes // max_frame_bytes`` frames per peer (at least 1; 16 by default);

@@ -13,9 +13,10 @@ close and eats its first frame (measured: one reconnect in three lost its mf_met
 
 Threads: zmq sockets are not thread-safe. A listener belongs to the one thread that runs
 its loop; ``close()`` it from that thread, or from another once that loop has stopped. A
-dialer serialises its sockets behind a lock, so a Prefill can announce from the compute
-thread while its sender thread waits for replies (see ``ZmqDialer``). The shared context
-itself is thread-safe.
+dialer uses each socket under that connection's own lock, so a Prefill can announce from the
+compute thread while its sender thread waits for replies, and a Decode that does not read
+delays no other (see ``ZmqDialer`` and ``rd2h_zmq.outbox``). The shared context itself is
+thread-safe.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from rd2h.errors import ChannelError, FrameTooLargeError, PortInUseError
 from rd2h.interfaces import Dialer, Listener
 from rd2h.quiet_log import quiet
 from rd2h.wake_pipe import WakePipe
-
 from rd2h_zmq.connection_watch import ConnectionWatch
 from rd2h_zmq.context import SharedContext
+from rd2h_zmq.outbox import LATE, Connection, Writer
 from rd2h_zmq.settings import Settings
 
 if TYPE_CHECKING:
@@ -305,10 +306,12 @@ class ZmqDialer(Dialer):
     the dialer's life, so a reconnect after ``disconnect`` is the same peer to the listener.
 
     ``send`` and ``disconnect`` may be called from any thread while another blocks in
-    ``recv`` (``concurrent_send``): every use of a socket holds one lock, and ``recv`` waits
-    outside it on the sockets' notification fds (``zmq.FD``), never on the sockets. Such an
-    fd only says "look again": any call on the socket may consume it, so whoever touched a
-    socket and finds a message waiting kicks the waiting ``recv`` through a pipe."""
+    ``recv`` (``concurrent_send``): a lock covers the table only, each socket is used under its
+    connection's own lock, and ``recv`` waits outside every lock on the sockets' notification
+    fds (``zmq.FD``). Such an fd only says "look again" and any call may consume it, so whoever
+    finds a message waiting kicks the waiting ``recv`` through a pipe. A send never waits for a
+    Decode, and one whose frame waited ``send_timeout`` is failed alone (``rd2h_zmq.outbox``):
+    the next send to it raises ``ChannelError`` saying so, and the one after connects again."""
 
     concurrent_send: ClassVar[bool] = True
 
@@ -318,9 +321,9 @@ class ZmqDialer(Dialer):
         self._context = shared.acquire(authenticate=False)
         self._closed = False
         self._routing_id = b"rd2h-" + secrets.token_hex(8).encode()
-        self._lock = threading.Lock()  # every use of a socket, and the two tables below
-        self._sockets: dict[str, zmq.Socket[bytes]] = {}
-        self._addresses: dict[zmq.Socket[bytes], str] = {}
+        self._lock = threading.Lock()  # the tables below, never a socket call
+        self._connections: dict[str, Connection] = {}
+        self._failed: dict[str, str] = {}  # why a connection was failed, for the next send there
         self._fds: tuple[int, ...] = ()  # the sockets' notification fds, rebuilt on (dis)connect
         # recv's thread only: the poll set it waits on, and the fds it was made for
         self._poller = select.poll()
@@ -329,6 +332,7 @@ class ZmqDialer(Dialer):
         # A kick makes a blocked recv look again; it returns None only when ``wakeup()``
         # asked for that, not for a kick from a send.
         self._wake = WakePipe()
+        self._writer = Writer(self._failed_connection, self._wake.kick)
 
     @property
     def routing_id(self) -> bytes:
@@ -336,37 +340,51 @@ class ZmqDialer(Dialer):
 
     def send(self, address: str, payload: bytes) -> None:
         """Queue one frame for ``address``. Raises ``FrameTooLargeError``, ``ChannelError`` for
-        a malformed address or when the queue stays full for ``send_timeout``. Thread-safe."""
+        a malformed address, a connection failed since the last send (see the class) or one
+        whose outbox is full. Thread-safe; never waits for another connection's Decode."""
         _check_frame(payload, self._settings.max_frame_bytes)
-        with self._lock:
-            self._check_open()
-            sock = self._sockets.get(address) or self._connect(address)
+        while True:
+            with self._lock:
+                self._check_open()
+                failure = self._failed.pop(address, None)
+                if failure is not None:
+                    raise ChannelError(failure)
+                connection = self._connections.get(address) or self._connect(address)
             try:
-                sock.send(payload, copy=False)
-            except zmq.Again as exc:
-                raise ChannelError(
-                    f"cannot send to {address}: {self._settings.high_water_mark} frames are queued and the "
-                    f"endpoint took none in {self._settings.send_timeout_ms} ms (is it running?)"
-                ) from exc
-            except zmq.ZMQError as exc:
-                raise ChannelError(f"send to {address} failed: {exc.strerror}") from exc
-            finally:
-                # the send may have consumed the fd's signal of a reply that arrived meanwhile
-                waiting = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-        if waiting:
-            self._wake.kick()
+                with connection.lock:
+                    if connection.closed:  # dropped by another thread meanwhile: connect again
+                        continue
+                    connection.send(payload)
+                    # the send may have consumed the fd's signal of a reply that arrived meanwhile
+                    waiting = connection.look()
+            except ChannelError:
+                self._unlist(connection)  # a full outbox shut it
+                raise
+            if waiting:
+                self._wake.kick()
+            return
+
+    def waiting(self, address: str) -> int:
+        """Frames ``send`` took for ``address`` that wait for room in libzmq's queue (0: none)."""
+        with self._lock:
+            connection = self._connections.get(address)
+        if connection is None:
+            return 0
+        with connection.lock:
+            return len(connection.outbox)
 
     def recv(self, timeout: float) -> tuple[str, bytes] | None:
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             with self._lock:
                 self._check_open()
-                item = self._take_waiting()
+                order = list(self._connections.values())
                 if self._fds != self._polled:  # a socket came or went: wait on the new set
                     self._polled = self._fds
                     self._poller = select.poll()
                     for fd in (*self._fds, self._wake.fd):
                         self._poller.register(fd, select.POLLIN)
+            item = self._take_waiting(order)
             if item is not None:
                 return item
             ready = _wait_readable(self._poller, _deadline_ms(deadline))
@@ -376,22 +394,21 @@ class ZmqDialer(Dialer):
             elif not ready and time.monotonic() >= deadline:
                 return None
 
-    def _take_waiting(self) -> tuple[str, bytes] | None:
-        """The next message waiting on any socket, round robin (under the lock)."""
-        order = list(self._sockets.values())
+    def _take_waiting(self, order: list[Connection]) -> tuple[str, bytes] | None:
+        """The next message waiting on any socket, round robin."""
         for step in range(len(order)):
             index = (self._next + step) % len(order)
-            sock = order[index]
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                address = self._addresses[sock]
-                payload = _payload(frames, address)
-                if payload is not None:
-                    self._next = index + 1
-                    return address, payload
+            connection = order[index]
+            with connection.lock:
+                while not connection.closed and connection.look():
+                    try:
+                        frames = connection.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    payload = _payload(frames, connection.address)
+                    if payload is not None:
+                        self._next = index + 1
+                        return connection.address, payload
         return None
 
     def wakeup(self) -> None:
@@ -399,34 +416,61 @@ class ZmqDialer(Dialer):
         self._wake.wake()
 
     def disconnect(self, address: str) -> None:
-        """Close the connection to ``address``, dropping what is queued. Unknown: no-op.
-        Thread-safe."""
+        """Close the connection to ``address``, dropping what is queued and a failure not yet
+        raised. Unknown: no-op. Thread-safe."""
         with self._lock:
-            self._drop(address, 0)
+            self._failed.pop(address, None)
+            connection = self._connections.get(address)
+        if connection is not None:
+            self._unlist(connection)
+            with connection.lock:
+                connection.shut()
 
-    def _drop(self, address: str, linger: int) -> None:  # under the lock
-        sock = self._sockets.pop(address, None)
-        if sock is None:
-            return
-        del self._addresses[sock]
-        sock.close(linger=linger)
-        self._fds = tuple(s.getsockopt(zmq.FD) for s in self._sockets.values())
+    def _failed_connection(self, connection: Connection, why: str) -> None:
+        """The writer found ``connection`` broken, or its head frame past its deadline: drop it,
+        and have the next send there raise the latter."""
+        if self._unlist(connection) and why == LATE:
+            with self._lock:
+                self._failed[connection.address] = (
+                    f"cannot send to {connection.address}: {self._settings.high_water_mark} frames are queued and "
+                    f"the endpoint took none in {self._settings.send_timeout_ms} ms (is it running?); its "
+                    "connection was closed with what waited for it, and the next send connects again"
+                )
+        with connection.lock:
+            connection.shut()
+
+    def _unlist(self, connection: Connection) -> bool:
+        """Take ``connection`` out of the table; False if it was not there (any more)."""
+        with self._lock:
+            if self._connections.get(connection.address) is not connection:
+                return False
+            del self._connections[connection.address]
+            self._fds = tuple(c.fd for c in self._connections.values())
         self._wake.kick()  # a recv waiting on the closed socket's fd looks at the new set
+        return True
 
     def close(self) -> None:
         """Close every connection; frames still queued get ``_CLOSE_LINGER_MS`` to leave (the
-        last ``settled`` notices are sent just before a Prefill closes). Call it once no
-        other thread uses the dialer."""
+        last ``settled`` notices are sent just before a Prefill closes), those still in an
+        outbox one last try to join them. Call it once no other thread uses the dialer."""
         with self._lock:
             if self._closed:
                 return
-            for address in list(self._sockets):
-                self._drop(address, _CLOSE_LINGER_MS)
             self._closed = True
-            self._wake.close()
+            connections = list(self._connections.values())
+            self._connections.clear()
+            self._fds = ()
+        self._writer.close()
+        now = time.monotonic()
+        for connection in connections:
+            with connection.lock:
+                if connection.flush(now) is None and connection.outbox:
+                    log.debug("closing: %d frames to %s dropped unsent", len(connection.outbox), connection.address)
+                connection.shut(_CLOSE_LINGER_MS)
+        self._wake.close()
         self._shared.release()
 
-    def _connect(self, address: str) -> zmq.Socket[bytes]:  # under the lock
+    def _connect(self, address: str) -> Connection:  # under the lock
         sock = self._context.socket(zmq.DEALER)
         try:
             _common_options(sock, self._settings, address)
@@ -443,11 +487,11 @@ class ZmqDialer(Dialer):
         except BaseException:
             sock.close(linger=0)
             raise
-        self._sockets[address] = sock
-        self._addresses[sock] = address
-        self._fds = (*self._fds, sock.getsockopt(zmq.FD))
+        connection = Connection(sock, address, self._settings, self._writer)
+        self._connections[address] = connection
+        self._fds = (*self._fds, connection.fd)
         self._wake.kick()  # a recv in another thread starts waiting on this socket too
-        return sock
+        return connection
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,197 @@
+"""A dialer's DEALER with its own lock and outbox, and the thread that sends what waits.
+
+A send hands its frame to libzmq on the calling thread (``zmq.NOBLOCK``) while nothing of its
+connection waits and libzmq's queue (``high_water_mark`` frames) has room: the usual case,
+with no thread switch. A frame libzmq refuses (``zmq.Again``: the Decode is behind, or not
+reading) waits in that connection's outbox, every later frame of the connection queues behind
+it (order is kept), and the dialer's writer thread hands them on as the queue drains. A send
+therefore never waits for a Decode, and one Decode never delays the frames to another.
+
+A frame at the head of an outbox that libzmq does not take within ``send_timeout``, or
+``high_water_mark`` frames waiting in the outbox too, fails that connection alone: its socket
+is closed and what waited is dropped, as when a send used to block there for ``send_timeout``
+and raise.
+
+zmq sockets are not thread-safe: every call on a socket holds its connection's ``lock``. The
+socket's notification fd (``zmq.FD``) only says "look again", and any call may consume it:
+whoever finds the socket writable while frames wait kicks the writer, and whoever finds a
+message waiting has the dialer kick its ``recv``. The writer's own lock (taken under a
+connection's, never the other way) covers the set of connections it drains.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import zmq
+
+from rd2h.errors import ChannelError
+from rd2h.wake_pipe import WakePipe
+from rd2h_zmq.settings import Settings
+
+__all__ = ["BROKEN", "LATE", "Connection", "Writer"]
+
+log = logging.getLogger("rd2h_zmq")
+
+LATE = "late"  # a frame waited past send_timeout
+BROKEN = "broken"  # the socket failed
+_LOOK_AGAIN = 0.05  # seconds the writer waits at most while frames wait (should an fd's signal be missed)
+
+
+class Connection:
+    """One DEALER to a Decode address. Every call but ``__init__`` under ``lock``."""
+
+    __slots__ = ("sock", "fd", "address", "lock", "closed", "outbox", "deadline", "draining", "_settings", "_writer")
+
+    def __init__(self, sock: zmq.Socket[bytes], address: str, settings: Settings, writer: Writer) -> None:
+        self.sock = sock
+        self.fd: int = sock.getsockopt(zmq.FD)
+        self.address = address
+        self.lock = threading.Lock()
+        self.closed = False
+        self.outbox: deque[bytes] = deque()  # frames libzmq had no room for, in order
+        self.deadline = 0.0  # when libzmq must have taken the outbox's head frame
+        self.draining = False  # in the writer's set
+        self._settings = settings
+        self._writer = writer
+
+    def send(self, payload: bytes) -> None:
+        """Hand ``payload`` to libzmq now, or queue it behind what waits. Raises ``ChannelError``
+        when the outbox is full (the connection is then shut) or libzmq refuses the frame."""
+        if self.outbox:
+            self._queue(payload)
+            return
+        try:
+            self.sock.send(payload, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # high_water_mark frames are queued: the Decode is behind, or not reading
+            self.deadline = time.monotonic() + self._settings.send_timeout_ms / 1000
+            self.outbox.append(payload)
+            self.draining = True
+            self._writer.add(self)
+        except zmq.ZMQError as exc:
+            raise ChannelError(f"send to {self.address} failed: {exc.strerror}") from exc
+
+    def _queue(self, payload: bytes) -> None:
+        hwm = self._settings.high_water_mark
+        if len(self.outbox) >= hwm:
+            self.shut()
+            raise ChannelError(
+                f"cannot send to {self.address}: {hwm} frames are queued in zmq and {hwm} more wait for it, and "
+                "it takes none (is it running?); the connection is closed and the next send connects again"
+            )
+        self.outbox.append(payload)
+
+    def look(self) -> bool:
+        """Whether a message waits to be read. Tells the writer when frames wait and the socket
+        has room (this call may have consumed the fd's signal the writer waits for)."""
+        events = self.sock.getsockopt(zmq.EVENTS)
+        if self.draining and events & zmq.POLLOUT:
+            self._writer.kick()
+        return bool(events & zmq.POLLIN)
+
+    def flush(self, now: float) -> str | None:
+        """Hand libzmq what waits while it takes it. ``LATE`` if the head frame is past its
+        deadline, ``BROKEN`` if the socket failed; the caller then drops the connection."""
+        outbox = self.outbox
+        while outbox:
+            try:
+                self.sock.send(outbox[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return LATE if now >= self.deadline else None
+            except zmq.ZMQError as exc:
+                log.debug("send to %s failed with %d frames waiting: %s", self.address, len(outbox), exc)
+                return BROKEN
+            outbox.popleft()
+            self.deadline = now + self._settings.send_timeout_ms / 1000  # the next frame's own wait
+        self.draining = False
+        self._writer.discard(self)
+        return None
+
+    def shut(self, linger_ms: int = 0) -> None:
+        """Close the socket (its queue gets ``linger_ms`` to leave) and drop what waits (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.outbox.clear()
+        if self.draining:
+            self.draining = False
+            self._writer.discard(self)
+        self.sock.close(linger=linger_ms)
+
+
+class Writer:
+    """One thread per dialer, started when a frame first waits, that hands the connections'
+    outboxes to libzmq as their queues drain. It reports a connection to drop (``LATE`` or
+    ``BROKEN``) to ``failed(connection, why)`` and one with a message waiting to ``readable()``,
+    both called without locks held."""
+
+    def __init__(self, failed: Callable[[Connection, str], None], readable: Callable[[], None]) -> None:
+        self._failed = failed
+        self._readable = readable
+        self._lock = threading.Lock()  # the set below, and starting the thread
+        self._connections: set[Connection] = set()
+        self._wake = WakePipe()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, connection: Connection) -> None:  # under connection.lock
+        with self._lock:
+            if self._closed:
+                return
+            self._connections.add(connection)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rd2h-zmq-writer", daemon=True)
+                self._thread.start()
+        self._wake.kick()
+
+    def discard(self, connection: Connection) -> None:  # under connection.lock
+        with self._lock:
+            self._connections.discard(connection)
+
+    def kick(self) -> None:
+        """Look at every connection again now."""
+        self._wake.kick()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                connections = list(self._connections)
+            poller = select.poll()
+            poller.register(self._wake.fd, select.POLLIN)
+            timeout = -1
+            if connections:
+                for connection in connections:
+                    poller.register(connection.fd, select.POLLIN)  # "look again", for reading or writing
+                left = min(_LOOK_AGAIN, min(c.deadline for c in connections) - time.monotonic())
+                timeout = max(0, math.ceil(left * 1000))
+            poller.poll(timeout)
+            self._wake.drain()
+            now = time.monotonic()
+            for connection in connections:
+                why, readable = None, False
+                with connection.lock:
+                    if not connection.closed:
+                        why = connection.flush(now)
+                        readable = why is None and connection.look()
+                if why is not None:
+                    self._failed(connection, why)
+                if readable:
+                    self._readable()
+
+    def close(self) -> None:
+        """Stop the thread (what waits stays in the connections)."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._wake.kick()
+        if thread is not None:
+            thread.join()
+        self._wake.close()

@@ -1,0 +1,99 @@
+"""The zmq dialer and a Decode that does not read, on real sockets: a send never waits for it,
+the frames to every other Decode (and their replies) flow meanwhile, what waits keeps its
+order, and only that Decode's connection fails once a frame waited ``send_timeout``."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+from rd2h_zmq import ZmqChannel, ZmqDialer
+
+from rd2h.errors import ChannelError
+from rd2h.testing.channel_suite import free_tcp_address
+
+T = TypeVar("T")
+ARRIVAL = 10.0  # a bound for what arrives at once, far below the 60 s send_timeout below
+PATIENT = 60.0  # a send_timeout no test waits out: were a send to wait for a Decode, it would
+
+
+def fill(dialer: ZmqDialer, address: str, frame: Callable[[int], bytes], at_least: int = 1) -> list[bytes]:
+    """Send ``frame(i)`` to ``address`` (which reads nothing) until ``at_least`` frames wait in
+    its outbox (libzmq's queues and the kernel's buffers are full); the frames sent."""
+    sent: list[bytes] = []
+    while dialer.waiting(address) < at_least:
+        assert len(sent) < 2000, f"{address} took 2000 frames unread"
+        sent.append(frame(len(sent)))
+        dialer.send(address, sent[-1])
+    return sent
+
+
+def test_a_decode_that_does_not_read_delays_no_frame_to_another(closer: Callable[[T], T]) -> None:
+    channel = ZmqChannel(high_water_mark=50, send_timeout=PATIENT)
+    stuck = closer(channel.listen(free_tcp_address()))  # its loop never runs: it reads nothing
+    live = closer(channel.listen(free_tcp_address()))
+    dialer = closer(channel.dialer())
+    filled = threading.Event()
+    # on its own thread: the old dialer blocked here (holding its one lock) for send_timeout
+    threading.Thread(
+        target=lambda: (fill(dialer, stuck.address, lambda _: b"f" * (256 << 10), 20), filled.set()), daemon=True
+    ).start()
+    assert filled.wait(ARRIVAL), "a send to a Decode that does not read waited for it"
+    peer = b""
+    for i in range(200):  # each read as it comes (a burst over 2 x high_water_mark would fail it)
+        dialer.send(live.address, b"layer %d" % i)
+        got = live.recv(ARRIVAL)
+        assert got is not None and got[1] == b"layer %d" % i
+        peer = got[0]
+    live.send(peer, b"reply")
+    assert dialer.recv(ARRIVAL) == (live.address, b"reply")  # replies are read meanwhile too
+    dialer.disconnect(live.address)  # and another connection is closed without waiting
+    assert dialer.waiting(stuck.address)  # frames waited for the stuck Decode all along
+
+
+def test_frames_queued_behind_a_full_queue_keep_their_order(closer: Callable[[T], T]) -> None:
+    channel = ZmqChannel(high_water_mark=20, send_timeout=PATIENT)
+    listener = closer(channel.listen(free_tcp_address()))
+    dialer = closer(channel.dialer())
+    sent = fill(dialer, listener.address, lambda i: b"%06d|" % i + os.urandom(64 if i % 2 else 64 << 10), 10)
+    sent += [b"%06d|after" % i for i in range(len(sent), len(sent) + 5)]
+    for frame in sent[-5:]:
+        dialer.send(listener.address, frame)
+    got = [listener.recv(ARRIVAL) for _ in sent]  # the listener reads now: the outbox drains
+    assert [item and item[1] for item in got] == sent
+    assert dialer.waiting(listener.address) == 0
+
+
+def hung_up(sock: socket.socket, within: float) -> bool:
+    """Whether the other end closed or reset ``sock`` (what waits unread is not looked at)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP)
+    return bool(poller.poll(within * 1000))
+
+
+def test_only_the_decode_that_does_not_read_fails_after_send_timeout(closer: Callable[[T], T]) -> None:
+    server = closer(socket.create_server(("127.0.0.1", 0)))  # accepts, never reads or answers
+    server.settimeout(ARRIVAL)
+    stuck = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    channel = ZmqChannel(high_water_mark=5, send_timeout=2.0)
+    live = closer(channel.listen(free_tcp_address()))
+    dialer = closer(channel.dialer())
+    dialer.send(live.address, b"before")
+    first = live.recv(ARRIVAL)
+    assert first is not None
+    fill(dialer, stuck, lambda i: b"frame %d" % i)
+    conn = closer(server.accept()[0])
+    assert hung_up(conn, 30.0), "the connection to a Decode that does not read was never failed"
+    with pytest.raises(ChannelError, match="took none"):
+        dialer.send(stuck, b"after")  # the failure, reported once, to this endpoint's send
+    dialer.send(live.address, b"after")  # the other endpoint: same connection, no error
+    assert live.recv(ARRIVAL) == (first[0], b"after")
+    dialer.send(stuck, b"again")  # the one after connects again
+    again = closer(server.accept()[0])
+    again.settimeout(ARRIVAL)
+    assert again.recv(1) == b"\xff"  # a ZMTP greeting
