@@ -283,6 +283,13 @@ class Dialer(abc.ABC):
     blocks in ``recv``. A Prefill then announces a layer on the thread that computed it,
     without handing it to its sender thread (two thread switches per layer less); without
     it every send goes through the sender thread.
+
+    One endpoint must never slow another: ``send`` does not wait for a Decode that does not
+    read. What cannot be written at once waits, in order, behind that connection alone; a
+    connection whose frame waited the channel's send timeout is failed, and the next
+    ``send`` to it raises ``ChannelError`` (the Prefill reports that send as failed, as it
+    would one that waited and raised). Sends, ``recv`` and ``disconnect`` of other endpoints
+    go on meanwhile.
     """
 
     concurrent_send: ClassVar[bool] = False
