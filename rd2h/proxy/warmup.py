@@ -162,7 +162,8 @@ async def warm_up_pair(proxy: Proxy, prefill: Instance, decode: Instance, body: 
     """One P/D request through this pair only, as a client's goes: both legs must answer 200 and
     Decode must have posted its rendezvous (else it computed the prompt itself and nothing was
     transferred). Raises :class:`WarmupFailed` saying where it stopped."""
-    from rd2h.proxy.app import EngineError, cancel  # the request flow's own pieces
+    from rd2h.proxy.abandon import stop_legs
+    from rd2h.proxy.app import EngineError  # the request flow's own pieces
 
     headers = {"x-request-id": f"rd2h-warmup-{secrets.token_hex(4)}"}
     pending, prefill_leg, decode_leg = proxy.begin(WARMUP_PATH, body, (1, 1), headers,
@@ -186,7 +187,7 @@ async def warm_up_pair(proxy: Proxy, prefill: Instance, decode: Instance, body: 
         error = str(exc)
         raise
     finally:
-        for task in (prefill_leg, decode_leg):
-            if not task.done():
-                await cancel(task)
-        proxy.finish(pending, status, error, kind="warmup")
+        try:  # both legs cancelled at once: a cancellation of this task while awaiting them leaves none running
+            await stop_legs(prefill_leg, decode_leg)
+        finally:
+            proxy.finish(pending, status, error, kind="warmup")

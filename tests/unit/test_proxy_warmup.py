@@ -195,3 +195,44 @@ def test_cli_refuses_a_warm_up_timeout_that_is_not_positive(capsys: pytest.Captu
     with pytest.raises(SystemExit):
         main(["proxy", "--help"])
     assert "--no-warmup" in capsys.readouterr().out
+
+
+class SlowToStopPrefill(HeldEngines):
+    """Prefill's leg, cancelled while held, takes until ``let_stop`` to end (``stopping`` says it began)."""
+
+    def __init__(self, proxy: httpx.AsyncClient, **kwargs: Any) -> None:
+        super().__init__(proxy, **kwargs)
+        self.stopping, self.let_stop = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().__call__(request)
+        except asyncio.CancelledError:
+            if request.url.host == "prefill":
+                self.stopping.set()
+                await asyncio.wait_for(self.let_stop.wait(), 10)
+            raise
+
+
+def test_a_warm_up_cancelled_again_while_its_legs_stop_leaves_no_leg_running_and_nothing_pending() -> None:
+    """The warm-up task is cancelled (its timeout, the proxy stopping) and cancelled again while it
+    waits for Prefill's leg to stop: Decode's leg is stopped all the same and the request ends."""
+    async def scenario(client: httpx.AsyncClient, engines: HeldEngines, proxy: Any) -> None:
+        slow = SlowToStopPrefill(client)
+        slow.public, slow.public_proxy = engines.public, engines.public_proxy
+        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(slow))
+        await proxy.check_health()
+        slow.release.clear()
+        warming = asyncio.create_task(warm_up_pairs(proxy))
+        await asyncio.wait_for(slow.prefill_reached.wait(), 5)  # Decode posted, Prefill holds its leg
+        (pending,) = proxy.pending.values()
+        warming.cancel()
+        await asyncio.wait_for(slow.stopping.wait(), 5)  # the cleanup waits for Prefill's leg to stop
+        warming.cancel()  # and is cancelled again meanwhile
+        slow.let_stop.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(warming, 5)
+        assert not proxy.pending, "the warm-up request never ended"
+        assert pending.record["status"] == 502 and pending.record["warmup"] is True
+
+    run_warm(scenario)
