@@ -358,7 +358,9 @@ class ZmqDialer(Dialer):
                     # the send may have consumed the fd's signal of a reply that arrived meanwhile
                     waiting = connection.look()
             except ChannelError:
-                self._unlist(connection)  # a full outbox shut it
+                with self._lock:
+                    self._take(connection)  # a full outbox shut it
+                self._wake.kick()
                 raise
             if waiting:
                 self._wake.kick()
@@ -420,34 +422,34 @@ class ZmqDialer(Dialer):
         raised. Unknown: no-op. Thread-safe."""
         with self._lock:
             self._failed.pop(address, None)
-            connection = self._connections.get(address)
+            connection = self._take(self._connections.get(address))
         if connection is not None:
-            self._unlist(connection)
+            self._wake.kick()  # a recv waiting on the closed socket's fd looks at the new set
             with connection.lock:
                 connection.shut()
 
     def _failed_connection(self, connection: Connection, why: str) -> None:
         """The writer found ``connection`` broken, or its head frame past its deadline: drop it,
-        and have the next send there raise the latter."""
-        if self._unlist(connection) and why == LATE:
-            with self._lock:
+        and have the next send there raise the latter. One hold of the lock for both, so a
+        ``disconnect`` meanwhile drops the failure with the connection, never leaves it behind."""
+        with self._lock:
+            if self._take(connection) is not None and why == LATE:
                 self._failed[connection.address] = (
                     f"cannot send to {connection.address}: {self._settings.high_water_mark} frames are queued and "
                     f"the endpoint took none in {self._settings.send_timeout_ms} ms (is it running?); its "
                     "connection was closed with what waited for it, and the next send connects again"
                 )
+        self._wake.kick()  # (when not taken, a kick too many: recv just looks again)
         with connection.lock:
             connection.shut()
 
-    def _unlist(self, connection: Connection) -> bool:
-        """Take ``connection`` out of the table; False if it was not there (any more)."""
-        with self._lock:
-            if self._connections.get(connection.address) is not connection:
-                return False
-            del self._connections[connection.address]
-            self._fds = tuple(c.fd for c in self._connections.values())
-        self._wake.kick()  # a recv waiting on the closed socket's fd looks at the new set
-        return True
+    def _take(self, connection: Connection | None) -> Connection | None:  # under the lock
+        """Take ``connection`` out of the table (None: not there); the caller then kicks recv."""
+        if connection is None or self._connections.get(connection.address) is not connection:
+            return None
+        del self._connections[connection.address]
+        self._fds = tuple(c.fd for c in self._connections.values())
+        return connection
 
     def close(self) -> None:
         """Close every connection; frames still queued get ``_CLOSE_LINGER_MS`` to leave (the

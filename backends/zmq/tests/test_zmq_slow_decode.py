@@ -97,3 +97,41 @@ def test_only_the_decode_that_does_not_read_fails_after_send_timeout(closer: Cal
     again = closer(server.accept()[0])
     again.settimeout(ARRIVAL)
     assert again.recv(1) == b"\xff"  # a ZMTP greeting
+
+
+class _ThenLock:
+    """The dialer's table lock, which runs ``then`` once, the first time ``thread`` releases it:
+    it puts another thread's call right where a lock hold ends (no sleeps, no timing)."""
+
+    def __init__(self, thread: str, then: Callable[[], object]) -> None:
+        self._lock, self._thread, self._then = threading.Lock(), thread, then
+        self.ran = threading.Event()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if not self.ran.is_set() and threading.current_thread().name == self._thread:
+            self.ran.set()
+            self._then()
+
+
+def test_a_disconnect_as_the_writer_fails_a_connection_drops_the_failure(closer: Callable[[T], T]) -> None:
+    """The writer takes the connection out of the table and records its failure in one hold of
+    the lock: a disconnect right after the connection left the table (before, the failure was
+    recorded in a second hold, after it) leaves no failure behind for the next send."""
+    server = closer(socket.create_server(("127.0.0.1", 0)))  # accepts, never reads or answers
+    server.settimeout(ARRIVAL)
+    stuck = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    dialer = closer(ZmqChannel(high_water_mark=5, send_timeout=1.0).dialer())
+    lock = _ThenLock("rd2h-zmq-writer", lambda: dialer.disconnect(stuck))
+    dialer._lock = lock  # type: ignore[assignment]  # the writer takes it first when it fails the connection
+    fill(dialer, stuck, lambda i: b"frame %d" % i)
+    conn = closer(server.accept()[0])
+    assert hung_up(conn, 30.0), "the connection to a Decode that does not read was never failed"
+    assert lock.ran.is_set()
+    dialer.send(stuck, b"again")  # disconnected: no failure left to raise, it connects again
+    again = closer(server.accept()[0])
+    again.settimeout(ARRIVAL)
+    assert again.recv(1) == b"\xff"  # a ZMTP greeting
