@@ -91,20 +91,24 @@ class TcpDialer(Dialer):
         data = encode(payload, self._settings.max_frame_bytes)
         if self._busy_poll:
             self._busy_until = time.monotonic() + self._busy_poll
-        with self._lock:
-            self._check_open()
-            failure = self._failed.pop(address, None)
-            link = self._links.get(address)
-        if failure is not None:
-            raise ChannelError(failure)
-        if link is not None:
+        while True:
+            with self._lock:
+                self._check_open()
+                failure = self._failed.pop(address, None)
+                link = self._links.get(address)
+            if failure is not None:
+                raise ChannelError(failure)
+            if link is None:
+                break
             try:
                 if self._write(link, data):
                     return
+                # closed since: look again, as the writer may have failed it (raised now, not a send later)
             except _RESET:
                 # Decode closed this connection (restarted, or shut it): nothing waited before
                 # this frame and none of it left, so it goes over a new connection
                 self._drop(link)
+                break
             except OSError as exc:
                 self._drop(link)
                 raise ChannelError(f"send to {address} failed: {exc}") from exc

@@ -118,3 +118,49 @@ def test_only_the_decode_that_does_not_read_fails_after_send_timeout(closer: Cal
     while not frames:
         frames += reader.feed(again.recv(4096))
     assert frames == [b"again"] and reader.identity is not None and len(reader.identity) == IDENTITY_BYTES
+
+
+class _ThenLock:
+    """The dialer's table lock, which runs ``then`` once, the first time ``thread`` releases it:
+    it puts another thread's work right where a lock hold ends (no sleeps, no timing)."""
+
+    def __init__(self, thread: str, then: Callable[[], object]) -> None:
+        self._lock, self._thread, self._then = threading.Lock(), thread, then
+        self.ran = threading.Event()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if not self.ran.is_set() and threading.current_thread().name == self._thread:
+            self.ran.set()
+            self._then()
+
+
+def test_a_connection_failed_as_a_send_looks_it_up_is_raised_by_that_send(closer: Callable[[T], T]) -> None:
+    """The writer fails the connection after a send found it in the table and before it took the
+    connection's lock: that send raises the failure (before, it connected again and sent its
+    frame, and the failure was raised by the send after it, to a healthy connection)."""
+    server = closer(socket.socket())
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # fills sooner
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(ARRIVAL)
+    stuck = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    dialer = closer(TcpChannel(send_timeout=2.0).dialer())
+    fill(dialer, stuck)
+    conn = closer(server.accept()[0])  # a Decode that never reads
+    lock = _ThenLock(threading.current_thread().name, lambda: hung_up(conn, 30.0))
+    dialer._lock = lock  # type: ignore[assignment]  # the send below waits, after its look-up, for the failure
+    with pytest.raises(ChannelError, match="took no bytes"):
+        dialer.send(stuck, b"after")
+    assert lock.ran.is_set()
+    dialer.send(stuck, b"again")  # the one after connects again
+    again = closer(server.accept()[0])
+    again.settimeout(ARRIVAL)
+    reader = FrameReader(1 << 20, len(MAGIC) + IDENTITY_BYTES)
+    frames: list[bytes] = []
+    while not frames:
+        frames += reader.feed(again.recv(4096))
+    assert frames == [b"again"]
