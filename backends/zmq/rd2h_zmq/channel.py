@@ -37,10 +37,11 @@ class ZmqChannel(ControlChannel):
         already queued for a peer that does not drain them; then that connection alone is
         closed and the next send to it raises ``ChannelError``. A send itself never waits.
     ``high_water_mark`` (1000)
-        Frames queued per connection in each direction (a listener may queue fewer, below); a
-        dialer holds as many again in the connection's outbox, and one more fails it at once.
+        Frames queued per connection in each direction (a listener may queue fewer, below).
     ``max_queued_bytes`` (256 MiB)
-        Memory one peer may fill in a listener's inbound queue: the listener queues at most
+        Memory a dialer's connection may hold in its outbox (frames libzmq had no room for: a
+        Decode behind by that much is failed at once, a slower one only by ``send_timeout``);
+        and memory one peer may fill in a listener's inbound queue: the listener queues at most
         ``max_queued_bytes // max_frame_bytes`` frames per peer (at least 1; 16 by default);
         the peer's own queue holds the rest, so a flooding peer pays for its backlog itself.
         Fewer than ~16 slows a saturated stream of small frames (measured: 4 frames, 9 us a
@@ -131,7 +132,7 @@ class ZmqChannel(ControlChannel):
         receive_hwm = max(1, min(high_water_mark, max_queued_bytes // max_frame_bytes))
         self._settings = Settings(
             max_frame_bytes, max(1, round(send_timeout * 1000)), high_water_mark, curve, receive_hwm,
-            max_unadmitted_connections=max_unadmitted_connections,
+            max_unadmitted_connections=max_unadmitted_connections, max_queued_bytes=max_queued_bytes,
         )
         self._context = SharedContext(curve.authorized_dir if curve else None)
 

@@ -7,8 +7,8 @@ reading) waits in that connection's outbox, every later frame of the connection 
 it (order is kept), and the dialer's writer thread hands them on as the queue drains. A send
 therefore never waits for a Decode, and one Decode never delays the frames to another.
 
-A frame at the head of an outbox that libzmq does not take within ``send_timeout``, or
-``high_water_mark`` frames waiting in the outbox too, fails that connection alone: its socket
+A frame at the head of an outbox that libzmq does not take within ``send_timeout``, or more
+than ``max_queued_bytes`` waiting in the outbox, fails that connection alone: its socket
 is closed and what waited is dropped, as when a send used to block there for ``send_timeout``
 and raise.
 
@@ -47,7 +47,8 @@ _LOOK_AGAIN = 0.05  # seconds the writer waits at most while frames wait (should
 class Connection:
     """One DEALER to a Decode address. Every call but ``__init__`` under ``lock``."""
 
-    __slots__ = ("sock", "fd", "address", "lock", "closed", "outbox", "deadline", "draining", "_settings", "_writer")
+    __slots__ = ("sock", "fd", "address", "lock", "closed", "outbox", "queued_bytes", "deadline", "draining",
+                 "_settings", "_writer")
 
     def __init__(self, sock: zmq.Socket[bytes], address: str, settings: Settings, writer: Writer) -> None:
         self.sock = sock
@@ -56,6 +57,7 @@ class Connection:
         self.lock = threading.Lock()
         self.closed = False
         self.outbox: deque[bytes] = deque()  # frames libzmq had no room for, in order
+        self.queued_bytes = 0  # their size
         self.deadline = 0.0  # when libzmq must have taken the outbox's head frame
         self.draining = False  # in the writer's set
         self._settings = settings
@@ -72,20 +74,30 @@ class Connection:
         except zmq.Again:  # high_water_mark frames are queued: the Decode is behind, or not reading
             self.deadline = time.monotonic() + self._settings.send_timeout_ms / 1000
             self.outbox.append(payload)
+            self.queued_bytes = len(payload)
             self.draining = True
             self._writer.add(self)
         except zmq.ZMQError as exc:
             raise ChannelError(f"send to {self.address} failed: {exc.strerror}") from exc
 
     def _queue(self, payload: bytes) -> None:
-        hwm = self._settings.high_water_mark
-        if len(self.outbox) >= hwm:
-            self.shut()
-            raise ChannelError(
-                f"cannot send to {self.address}: {hwm} frames are queued in zmq and {hwm} more wait for it, and "
-                "it takes none (is it running?); the connection is closed and the next send connects again"
-            )
-        self.outbox.append(payload)
+        """Behind what waits, unless the head frame waited past ``send_timeout`` (a Decode that
+        takes nothing: known here at once, not only when the writer looks) or the outbox would
+        hold more than ``max_queued_bytes`` (a Decode that far behind): then the connection fails.
+        Bytes, not frames: a Decode that reads, however slowly, is not failed for a burst of
+        small frames."""
+        limit = self._settings.max_queued_bytes
+        if time.monotonic() >= self.deadline:
+            why = f"it took no frame of the {len(self.outbox)} queued for it within send_timeout (is it running?)"
+        elif self.queued_bytes + len(payload) > limit:
+            why = f"more than max_queued_bytes ({limit}) would be queued for it"
+        else:
+            self.outbox.append(payload)
+            self.queued_bytes += len(payload)
+            return
+        self.shut()
+        raise ChannelError(f"cannot send to {self.address}: {why}; the connection is closed and the next send "
+                           "connects again")  # fmt: skip
 
     def look(self) -> bool:
         """Whether a message waits to be read. Tells the writer when frames wait and the socket
@@ -107,7 +119,7 @@ class Connection:
             except zmq.ZMQError as exc:
                 log.debug("send to %s failed with %d frames waiting: %s", self.address, len(outbox), exc)
                 return BROKEN
-            outbox.popleft()
+            self.queued_bytes -= len(outbox.popleft())
             self.deadline = now + self._settings.send_timeout_ms / 1000  # the next frame's own wait
         self.draining = False
         self._writer.discard(self)
@@ -119,6 +131,7 @@ class Connection:
             return
         self.closed = True
         self.outbox.clear()
+        self.queued_bytes = 0
         if self.draining:
             self.draining = False
             self._writer.discard(self)

@@ -35,3 +35,5 @@ class Settings:
     receive_high_water_mark: int = 1000
     # connections a listener keeps open that carry no peer Decode admitted (rd2h.connection_book)
     max_unadmitted_connections: int = 256
+    # bytes a dialer's connection may hold in its outbox (libzmq had no room): one more fails it
+    max_queued_bytes: int = 256 << 20

@@ -135,3 +135,28 @@ def test_a_disconnect_as_the_writer_fails_a_connection_drops_the_failure(closer:
     again = closer(server.accept()[0])
     again.settimeout(ARRIVAL)
     assert again.recv(1) == b"\xff"  # a ZMTP greeting
+
+
+def test_a_decode_far_behind_but_reading_is_not_failed_for_a_burst(closer: Callable[[T], T]) -> None:
+    """A burst of many more frames than high_water_mark (80 layers x a few steps) to a Decode that
+    reads them later: all wait in order and arrive; only bytes past max_queued_bytes fail it."""
+    channel = ZmqChannel(high_water_mark=5, send_timeout=PATIENT)
+    slow = closer(channel.listen(free_tcp_address()))
+    dialer = closer(channel.dialer())
+    sent = fill(dialer, slow.address, lambda i: b"%06d" % i + b"f" * (256 << 10), 2)
+    more = [b"%06d" % (len(sent) + i) for i in range(400)]  # 80 x high_water_mark frames more
+    for frame in more:  # queued behind the waiting ones (a frame cap of 2 x high_water_mark failed it here)
+        dialer.send(slow.address, frame)
+    for expected in [*sent, *more]:  # the Decode reads at last: every frame, in order
+        got = slow.recv(ARRIVAL)
+        assert got is not None and got[1] == expected
+
+
+def test_a_decode_past_max_queued_bytes_is_failed_at_once(closer: Callable[[T], T]) -> None:
+    channel = ZmqChannel(high_water_mark=5, send_timeout=PATIENT, max_queued_bytes=4 << 20)
+    stuck = closer(channel.listen(free_tcp_address()))
+    dialer = closer(channel.dialer())
+    fill(dialer, stuck.address, lambda _: b"f" * (256 << 10), 1)
+    with pytest.raises(ChannelError, match="max_queued_bytes"):
+        for _ in range(17):  # 4 MiB of 256 KiB frames, and one more
+            dialer.send(stuck.address, b"f" * (256 << 10))
