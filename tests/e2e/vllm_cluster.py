@@ -68,12 +68,26 @@ def tiny_model(out: Path, script: str = "make_tiny_model.py", *, timeout: float 
 
 
 def free_base_port(count: int) -> int:
-    """A base port with ``count`` consecutive free loopback ports above it."""
+    """A base port with ``count`` consecutive free loopback ports above it, outside the kernel's
+    ephemeral range: a port found free there can be taken by any outgoing connection (an
+    engine's own, another test's) before the process it is meant for binds it (seen: a Decode
+    failing with "Address already in use" on a loaded machine)."""
+    low, high = _ephemeral_range()
+    lowest = 10000
+    choices = range(lowest, low - count) if low - count - lowest >= 1000 else range(high + 1, 65536 - count)
     for _ in range(200):
-        base = random.randrange(20000, 60000 - count)
+        base = random.choice(choices)
         if all(_free(base + i) for i in range(count)):
             return base
     raise RuntimeError("no free port range found")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _free(port: int) -> bool:
