@@ -286,10 +286,12 @@ class Dialer(abc.ABC):
 
     One endpoint must never slow another: ``send`` does not wait for a Decode that does not
     read. What cannot be written at once waits, in order, behind that connection alone; a
-    connection whose frame waited the channel's send timeout is failed, and the next
-    ``send`` to it raises ``ChannelError`` (the Prefill reports that send as failed, as it
-    would one that waited and raised). Sends, ``recv`` and ``disconnect`` of other endpoints
-    go on meanwhile.
+    connection whose frame waited the channel's send timeout is failed, and reported once:
+    by ``take_failures`` (the channel then calls ``wakeup`` so the Prefill asks at once, and
+    fails every request with readiness in flight there), or, if a ``send`` to that address
+    comes first, by that send raising ``ChannelError`` (the Prefill reports that send as
+    failed, as it would one that waited and raised). Sends, ``recv`` and ``disconnect`` of
+    other endpoints go on meanwhile.
     """
 
     concurrent_send: ClassVar[bool] = False
@@ -308,6 +310,16 @@ class Dialer(abc.ABC):
         The Prefill sender blocks in ``recv`` and is woken when a layer is queued. The
         default does nothing, so ``recv`` returns at its timeout: correct, but slower.
         """
+
+    def take_failures(self) -> dict[str, str]:
+        """Addresses whose connection the channel failed since the last call, each with why
+        (consumed: the next ``send`` there connects again, raising nothing for it). Thread-safe.
+
+        A connection failed with frames waiting (past the send timeout) lost them: the Prefill
+        fails the requests they named now, not at its reply timeout. The default reports none,
+        for a channel whose ``send`` raises every failure itself.
+        """
+        return {}
 
     @abc.abstractmethod
     def disconnect(self, address: str) -> None:

@@ -19,13 +19,17 @@ Endpoints (``EndpointState``)::
     NEW --send (mf_meta first)--> INTRODUCED
     NEW/INTRODUCED --META_REQUIRED--> REVIVED --everything in flight sent again (mf_meta first)--> REINTRODUCED
     NEW/INTRODUCED/REINTRODUCED --oldest readiness unanswered past reply_timeout--> SILENT
+    NEW/INTRODUCED/REVIVED/REINTRODUCED --the channel dropped its connection--> REVIVED
     SILENT --a new request names it--> REVIVED --send (mf_meta first)--> REINTRODUCED
     REINTRODUCED --every mf_meta acknowledged--> INTRODUCED
 
 A SILENT endpoint's readiness counts as answered, the requests naming it fail with
-:class:`~rd2h.errors.ReplyTimeout` and the connection is dropped. After a revival, replies
-that come before Decode acknowledges the new mf_meta answer abandoned readiness (the dialer
-keeps its identity across reconnects) and are dropped as stale. So are those after
+:class:`~rd2h.errors.ReplyTimeout` and the connection is dropped. A connection the channel
+dropped (its frames waited past the send timeout) took every readiness in flight there with
+it: each counts as answered and its requests fail with the channel's error; a SILENT endpoint
+stays so. After a revival (or a lost connection), replies that come before Decode
+acknowledges the new mf_meta answer abandoned readiness (the dialer keeps its identity
+across reconnects) and are dropped as stale. So are those after
 META_REQUIRED: a Decode that restarted while Prefill still wrote to its old connection lost
 what was written there and answers the rest META_REQUIRED, in order; as a reply is paired
 with the oldest readiness of its layer, every readiness in flight is sent again.
@@ -104,6 +108,7 @@ class EndpointEvent(Enum):
     SEND_FAILED = "send failed"
     TIMEOUT = "reply timeout"
     REVIVE = "named by a new request"
+    CONNECTION_LOST = "the channel dropped its connection"
 
 
 _E, _EE = EndpointState, EndpointEvent
@@ -127,6 +132,11 @@ ENDPOINT_TRANSITIONS = {
     (_E.INTRODUCED, _EE.REVIVE): _E.INTRODUCED,
     (_E.REVIVED, _EE.REVIVE): _E.REVIVED,
     (_E.REINTRODUCED, _EE.REVIVE): _E.REINTRODUCED,
+    (_E.NEW, _EE.CONNECTION_LOST): _E.REVIVED,
+    (_E.INTRODUCED, _EE.CONNECTION_LOST): _E.REVIVED,
+    (_E.REVIVED, _EE.CONNECTION_LOST): _E.REVIVED,
+    (_E.REINTRODUCED, _EE.CONNECTION_LOST): _E.REVIVED,
+    (_E.SILENT, _EE.CONNECTION_LOST): _E.SILENT,
 }
 NEEDS_META = frozenset({_E.NEW, _E.REVIVED})
 # A dialer keeps its identity across reconnects (zmq's ROUTER_HANDOVER), so a Decode that was

@@ -21,7 +21,10 @@ from rd2h.layout.chunking import Chunk, GroupChunks
 from rd2h.prefill.send_states import ANNOUNCED, EndpointState, RequestState
 from rd2h.wire import protocol
 
-__all__ = ["Ids", "Effects", "RequestRecord", "SentReadiness", "EndpointRecord", "Announcement", "Step", "build_step", "block_ids", "next_chunks", "RequestSlots"]
+__all__ = [
+    "Ids", "Effects", "RequestRecord", "SentReadiness", "EndpointRecord", "Announcement", "Step", "build_step",
+    "block_ids", "next_chunks", "RequestSlots",
+]
 
 Ids = npt.NDArray[np.int64]
 
@@ -123,6 +126,11 @@ class EndpointRecord:
             sent.resent = True
         return again, spent
 
+    def take_all(self) -> list[SentReadiness]:
+        """Every readiness in flight (no longer awaited: the connection it went over is gone)."""
+        lost = [sent for waiting in self.in_flight.values() for sent in waiting]
+        self.in_flight = {}
+        return lost
 
 
 class RequestSlots:

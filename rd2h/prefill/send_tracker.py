@@ -82,20 +82,10 @@ class SendTracker:
     """
 
     def __init__(
-        self,
-        *,
-        rank: int,
-        tp_size: int,
-        meta_frame: bytes,
-        layer_block_bytes: Sequence[tuple[int, int]],
-        last_layer: int,
-        block_size: int,
-        indexer_block_size: int | None = None,
-        reply_timeout: float = 30.0,
-        endpoint_idle_seconds: float = 300.0,
-        max_endpoints: int = 256,
-        model_layers: Sequence[int] | None = None,
-    ) -> None:
+        self, *, rank: int, tp_size: int, meta_frame: bytes, layer_block_bytes: Sequence[tuple[int, int]],
+        last_layer: int, block_size: int, indexer_block_size: int | None = None, reply_timeout: float = 30.0,
+        endpoint_idle_seconds: float = 300.0, max_endpoints: int = 256, model_layers: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
         if not 0 <= rank < tp_size:
             raise ConfigError(f"rank {rank} outside 0..{tp_size - 1}")
         if not 0 <= last_layer < len(layer_block_bytes):
@@ -372,21 +362,27 @@ class SendTracker:
 
     def send_failed(self, address: str, layer_idx: int, error: BaseException, now: float) -> Effects:
         """Sending to ``address`` for ``layer_idx`` raised: that endpoint missed its last readiness of the layer."""
-        effects = Effects()
         endpoint = self._endpoints.get(address)
         waiting = None if endpoint is None else endpoint.in_flight.get(layer_idx)
         if endpoint is None or not waiting:
-            return effects
+            return Effects()
         sent = waiting.pop()  # the readiness whose send failed is the last one of the layer
         if not waiting:
             del endpoint.in_flight[layer_idx]
         endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.SEND_FAILED, address)
-        failure = error if isinstance(error, RD2HError) else LayerFailedError(str(error))
-        for request in sent.requests:
-            self._decide(request, _RE.FAIL, failure, now)
-        self._answered(sent, now)
-        effects.released.append((layer_idx, address))
-        return effects
+        return self._lost(address, [sent], error if isinstance(error, RD2HError) else LayerFailedError(str(error)), now)
+
+    def connection_lost(self, address: str, error: RD2HError, now: float) -> Effects:
+        """The channel dropped ``address``'s connection with what waited for it: no readiness in flight there will
+        be answered, and its requests fail with ``error``. The next readiness goes after an mf_meta, and replies
+        before its ACK are stale (a Decode that read a lost readiness may still answer it). Never raises."""
+        endpoint = self._endpoints.get(address)
+        if endpoint is None:
+            return Effects()
+        endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.CONNECTION_LOST, address)
+        if endpoint.state is EndpointState.REVIVED:
+            endpoint.unacked = 0  # an mf_meta that went with the connection is not waited for
+        return self._lost(address, endpoint.take_all(), error, now)
 
     def expire(self, now: float) -> Effects:
         """Abandon every endpoint whose oldest readiness went unanswered past reply_timeout;
@@ -401,8 +397,7 @@ class SendTracker:
             error = ReplyTimeout(f"Decode {address} did not reply within {self._reply_timeout:g} s")
             endpoint.state = _step(ENDPOINT_TRANSITIONS, endpoint.state, _EE.TIMEOUT, address)
             effects.disconnects.append(address)
-            records = [sent for waiting in endpoint.in_flight.values() for sent in waiting]
-            endpoint.in_flight = {}
+            records = endpoint.take_all()
             for request in list(self._requests.values()):
                 if address in request.addresses and request.state in ANNOUNCED:
                     self._decide(request, _RE.FAIL, error, now)
@@ -450,6 +445,15 @@ class SendTracker:
         if count:
             self.counters[why] += count
             effects.ignored = why
+        return effects
+
+    def _lost(self, address: str, lost: list[SentReadiness], error: RD2HError, now: float) -> Effects:
+        """Readiness to ``address`` that will never be answered: its requests fail, and it counts as answered."""
+        for request in (request for sent in lost for request in sent.requests):
+            self._decide(request, _RE.FAIL, error, now)
+        effects = Effects(released=[(sent.layer_idx, address) for sent in lost])
+        for sent in lost:
+            self._answered(sent, now)
         return effects
 
     def _answered(self, sent: SentReadiness, now: float) -> None:

@@ -39,7 +39,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from rd2h.clock import Clock, monotonic
-from rd2h.errors import ConfigError, RD2HError, WaitTimeout
+from rd2h.errors import ChannelError, ConfigError, RD2HError, WaitTimeout
 from rd2h.interfaces import Dialer, TransferEngine
 from rd2h.layout.layers import LayerLayout
 from rd2h.layout.regions import merge_by_device
@@ -405,6 +405,7 @@ class Source:
                             self._queued -= 1
                 else:
                     self._turn.sender_turn(self._poll, self._on_reply)
+                self._connections_lost()
                 self._expire()
                 self._quiet.flush()  # counts of warnings whose interval ended
             except Exception:  # the loop must outlive any one failure, or every wait times out
@@ -423,7 +424,9 @@ class Source:
         try:
             if task is not None:
                 if (waited := time.monotonic() - task.queued) > _SLOW_SECONDS:
-                    log.warning("Prefill rank %d: layer %r waited %.1f s to be announced", self.rank, layer_name, waited)
+                    log.warning(
+                        "Prefill rank %d: layer %r waited %.1f s to be announced", self.rank, layer_name, waited
+                    )
                 if task.event is not None:
                     task.event.synchronize()
         except Exception as exc:
@@ -460,6 +463,13 @@ class Source:
                 self.rank, address, self._reply_timeout,
             )  # fmt: skip
 
+    def _connections_lost(self) -> None:
+        """Connections the dialer dropped with frames waiting (``Dialer.take_failures``): nothing in flight there is
+        answered, so its requests fail now, not at reply_timeout (the dialer woke the sender to say so)."""
+        for address, why in self._dialer.take_failures().items():
+            self._quiet.error("send failed", address, "Prefill rank %d: %s", self.rank, why)
+            self._feed(self._tracker.connection_lost, address, ChannelError(why))
+
     def _slots_sent(self, layer_idx: int, endpoints: Sequence[str]) -> None:
         if self._gate is not None:
             self._released(self._gate.sent(layer_idx, endpoints), layer_idx)
@@ -477,4 +487,5 @@ class Source:
                 if not self._tracker.has_in_flight():
                     return
             self._turn.sender_turn(self._poll, self._on_reply)
+            self._connections_lost()
             self._expire()
