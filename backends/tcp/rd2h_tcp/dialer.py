@@ -55,9 +55,11 @@ class TcpDialer(Dialer):
 
     A send never waits for a Decode: what its socket has no room for waits in that
     connection's outbox, in order (``rd2h_tcp.outbox``). A Decode that leaves a frame there
-    unwritten for ``send_timeout`` has its connection closed and what waited dropped; the next
-    send to it raises ``ChannelError`` saying so, and the one after connects again. A send that
-    would have more than ``max_queued_bytes`` wait there fails the connection so at once."""
+    unwritten for ``send_timeout`` has its connection closed and what waited dropped; that is
+    reported once, by ``take_failures`` (``recv`` is woken to have it asked) or by the next send
+    to it raising ``ChannelError`` saying so, whichever comes first, and the send after connects
+    again. A send that would have more than ``max_queued_bytes`` wait there fails the connection
+    so at once."""
 
     concurrent_send: ClassVar[bool] = True
 
@@ -160,11 +162,14 @@ class TcpDialer(Dialer):
 
     def _failed_link(self, link: Link, why: str) -> None:
         """The writer found ``link`` broken, or its head frame past its deadline: drop it, and
-        have the next send there raise the latter."""
+        report the latter (``take_failures``, or the next send there raises it), waking ``recv``
+        so that the Prefill asks now."""
+        late = False
         with self._lock:
             if self._links.get(link.address) is link:
                 self._unlist(link)
                 if why == LATE:  # else Decode closed it: the next send just connects again
+                    late = True
                     self._failed[link.address] = (
                         f"cannot send to {link.address}: it took no bytes of a frame for "
                         f"{self._settings.send_timeout:.1f} s (is its loop running?); its connection was closed "
@@ -172,6 +177,17 @@ class TcpDialer(Dialer):
                     )
         with link.lock:
             link.shut(abort=why == LATE)
+        if late:
+            self._wake.wake()
+
+    def take_failures(self) -> dict[str, str]:
+        """Connections the writer failed (a frame waited past ``send_timeout``) since the last call
+        and that no send has raised yet, with why; consumed. Thread-safe."""
+        if not self._failed:  # the sender asks on every turn: no lock while there is none
+            return {}
+        with self._lock:
+            failures, self._failed = self._failed, {}
+        return failures
 
     def _connect(self, address: str) -> Link:
         parsed = parse(address)
