@@ -35,7 +35,7 @@ from rd2h.errors import ChannelError
 from rd2h.wake_pipe import WakePipe
 from rd2h_zmq.settings import Settings
 
-__all__ = ["BROKEN", "LATE", "Connection", "Writer"]
+__all__ = ["BROKEN", "LATE", "Connection", "FailureReport", "Writer"]
 
 log = logging.getLogger("rd2h_zmq")
 
@@ -136,6 +136,22 @@ class Connection:
             self.draining = False
             self._writer.discard(self)
         self.sock.close(linger=linger_ms)
+
+
+class FailureReport:
+    """``take_failures`` for the dialer: the connections its writer failed (``LATE``) and no send
+    has raised yet, kept in the dialer's ``_failed`` under its ``_lock``."""
+
+    _failed: dict[str, str]
+    _lock: threading.Lock
+
+    def take_failures(self) -> dict[str, str]:
+        """Connections failed since the last call, with why; consumed. Thread-safe."""
+        if not self._failed:  # the Prefill asks on every turn: no lock while there is none
+            return {}
+        with self._lock:
+            failures, self._failed = self._failed, {}
+        return failures
 
 
 class Writer:

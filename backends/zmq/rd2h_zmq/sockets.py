@@ -38,7 +38,7 @@ from rd2h.quiet_log import quiet
 from rd2h.wake_pipe import WakePipe
 from rd2h_zmq.connection_watch import ConnectionWatch
 from rd2h_zmq.context import SharedContext
-from rd2h_zmq.outbox import LATE, Connection, Writer
+from rd2h_zmq.outbox import LATE, Connection, FailureReport, Writer
 from rd2h_zmq.settings import Settings
 
 if TYPE_CHECKING:
@@ -301,7 +301,7 @@ class ZmqListener(Listener):
             raise ChannelError(f"listener on {self._address} is closed")
 
 
-class ZmqDialer(Dialer):
+class ZmqDialer(FailureReport, Dialer):
     """One DEALER per Decode address, connected on first send. Its routing id is fixed for
     the dialer's life, so a reconnect after ``disconnect`` is the same peer to the listener.
 
@@ -310,8 +310,8 @@ class ZmqDialer(Dialer):
     connection's own lock, and ``recv`` waits outside every lock on the sockets' notification
     fds (``zmq.FD``). Such an fd only says "look again" and any call may consume it, so whoever
     finds a message waiting kicks the waiting ``recv`` through a pipe. A send never waits for a
-    Decode, and one whose frame waited ``send_timeout`` is failed alone (``rd2h_zmq.outbox``):
-    the next send to it raises ``ChannelError`` saying so, and the one after connects again."""
+    Decode, and one whose frame waited ``send_timeout`` is failed alone (``rd2h_zmq.outbox``),
+    reported once: by ``take_failures``, or by the next send to it raising ``ChannelError``."""
 
     concurrent_send: ClassVar[bool] = True
 
@@ -439,7 +439,7 @@ class ZmqDialer(Dialer):
                     f"the endpoint took none in {self._settings.send_timeout_ms} ms (is it running?); its "
                     "connection was closed with what waited for it, and the next send connects again"
                 )
-        self._wake.kick()  # (when not taken, a kick too many: recv just looks again)
+        (self._wake.wake if why == LATE else self._wake.kick)()  # recv looks again; LATE: returns, to be asked
         with connection.lock:
             connection.shut()
 
