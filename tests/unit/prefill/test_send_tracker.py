@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from rd2h.errors import (
+    ChannelError,
     ConfigError,
     DuplicateRequestError,
     LayerFailedError,
@@ -597,6 +598,20 @@ class SendTrackerMachine(RuleBasedStateMachine):
     @rule(address=st.sampled_from(ADDRESSES), layer=st.integers(0, 2))
     def send_failed(self, address: str, layer: int) -> None:
         self.t.send_failed(address, layer, ConnectionError("gone"), self.now)
+
+    @rule(address=st.sampled_from(ADDRESSES))
+    def connection_lost(self, address: str) -> None:
+        """The channel dropped a connection with what waited: nothing stays in flight there, and a
+        request that had readiness there is failed (or was already settled)."""
+        endpoint = self.t._endpoints.get(address)
+        in_flight = [] if endpoint is None else [s for w in endpoint.in_flight.values() for s in w]
+        before = {id(r): r for sent in in_flight for r in sent.requests}
+        self.t.connection_lost(address, ChannelError("dropped"), self.now)
+        assert not self.t.in_flight(address)
+        for request in before.values():
+            assert request.state not in (RequestState.ACTIVE, RequestState.FINAL), request.state
+        if before:
+            event("connection lost with readiness in flight")
 
     @rule(seconds=st.sampled_from([0.5, 2.0, TIMEOUT + 0.1]))
     def time_passes(self, seconds: float) -> None:
