@@ -12,6 +12,11 @@ and, where its addresses are not ``tcp://127.0.0.1:<port>``, overrides ``make_ad
 The tests use real listeners and dialers of the installed backend (no fakes) and close
 everything they open. Timing bounds are generous; a pass means the contract holds, not
 that the channel is fast (``bench/`` measures that).
+
+A channel whose dialer never waits on a Decode and says what waits for it (``waiting``) also
+subclasses ``StuckDecodeConformance`` and ``LostFramesConformance``
+(``rd2h.testing.stuck_decode_suite``): a Decode that does not read delays nothing to another,
+and only its own connection fails, reported once.
 """
 
 from __future__ import annotations
