@@ -18,7 +18,6 @@ link's, never the other way) covers the set of links it drains.
 from __future__ import annotations
 
 import logging
-import math
 import select
 import socket
 import struct
@@ -28,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 
 from rd2h.errors import ChannelError
-from rd2h.wake_pipe import WakePipe
+from rd2h.writer_thread import WriterThread
 from rd2h_tcp.framing import MAGIC, FrameReader
 from rd2h_tcp.settings import Settings
 
@@ -142,62 +141,17 @@ class Link:
         self.sock.close()
 
 
-class Writer:
-    """One thread per dialer, started when a frame first waits, that writes the links' outboxes
-    as their sockets drain, and reports a link to drop (``LATE`` or ``BROKEN``) to
-    ``failed(link, why)``, called without locks held."""
+class Writer(WriterThread[Link]):
+    """One thread per dialer (``rd2h.writer_thread``), started when a frame first waits, that
+    writes the links' outboxes as their sockets drain, and reports a link to drop (``LATE`` or
+    ``BROKEN``) to ``failed(link, why)``, called without locks held."""
 
     def __init__(self, failed: Callable[[Link, str], None]) -> None:
+        super().__init__("rd2h-tcp-writer", select.POLLOUT)
         self._failed = failed
-        self._lock = threading.Lock()  # the set below, and starting the thread
-        self._links: set[Link] = set()
-        self._wake = WakePipe()
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
-    def add(self, link: Link) -> None:  # under link.lock
-        with self._lock:
-            if self._closed:
-                return
-            self._links.add(link)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rd2h-tcp-writer", daemon=True)
-                self._thread.start()
-        self._wake.kick()
-
-    def discard(self, link: Link) -> None:  # under link.lock
-        with self._lock:
-            self._links.discard(link)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                links = list(self._links)
-            poller = select.poll()
-            poller.register(self._wake.fd, select.POLLIN)
-            for link in links:
-                poller.register(link.fd, select.POLLOUT)
-            timeout = -1
-            if links:
-                left = min(link.deadline for link in links) - time.monotonic()
-                timeout = max(0, math.ceil(left * 1000))
-            poller.poll(timeout)
-            self._wake.drain()
-            now = time.monotonic()
-            for link in links:
-                with link.lock:
-                    why = None if link.closed else link.flush(now)
-                if why is not None:
-                    self._failed(link, why)
-
-    def close(self) -> None:
-        """Stop the thread (what waits stays in the links)."""
-        with self._lock:
-            self._closed = True
-            thread = self._thread
-        self._wake.kick()
-        if thread is not None:
-            thread.join()
-        self._wake.close()
+    def serve(self, link: Link, now: float) -> None:
+        with link.lock:
+            why = None if link.closed else link.flush(now)
+        if why is not None:
+            self._failed(link, why)

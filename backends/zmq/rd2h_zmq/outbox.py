@@ -22,7 +22,6 @@ connection's, never the other way) covers the set of connections it drains.
 from __future__ import annotations
 
 import logging
-import math
 import select
 import threading
 import time
@@ -32,7 +31,7 @@ from collections.abc import Callable
 import zmq
 
 from rd2h.errors import ChannelError
-from rd2h.wake_pipe import WakePipe
+from rd2h.writer_thread import WriterThread
 from rd2h_zmq.settings import Settings
 
 __all__ = ["BROKEN", "LATE", "Connection", "FailureReport", "Writer"]
@@ -154,73 +153,26 @@ class FailureReport:
         return failures
 
 
-class Writer:
-    """One thread per dialer, started when a frame first waits, that hands the connections'
-    outboxes to libzmq as their queues drain. It reports a connection to drop (``LATE`` or
-    ``BROKEN``) to ``failed(connection, why)`` and one with a message waiting to ``readable()``,
-    both called without locks held."""
+class Writer(WriterThread[Connection]):
+    """One thread per dialer (``rd2h.writer_thread``), started when a frame first waits, that
+    hands the connections' outboxes to libzmq as their queues drain. It reports a connection to
+    drop (``LATE`` or ``BROKEN``) to ``failed(connection, why)`` and one with a message waiting
+    to ``readable()``, both called without locks held."""
 
     def __init__(self, failed: Callable[[Connection, str], None], readable: Callable[[], None]) -> None:
+        # zmq.FD polls readable for "look again", for reading or writing; a signal another call
+        # consumed is made up for by looking again at least every _LOOK_AGAIN seconds
+        super().__init__("rd2h-zmq-writer", select.POLLIN, look_again=_LOOK_AGAIN)
         self._failed = failed
         self._readable = readable
-        self._lock = threading.Lock()  # the set below, and starting the thread
-        self._connections: set[Connection] = set()
-        self._wake = WakePipe()
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
-    def add(self, connection: Connection) -> None:  # under connection.lock
-        with self._lock:
-            if self._closed:
-                return
-            self._connections.add(connection)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rd2h-zmq-writer", daemon=True)
-                self._thread.start()
-        self._wake.kick()
-
-    def discard(self, connection: Connection) -> None:  # under connection.lock
-        with self._lock:
-            self._connections.discard(connection)
-
-    def kick(self) -> None:
-        """Look at every connection again now."""
-        self._wake.kick()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                connections = list(self._connections)
-            poller = select.poll()
-            poller.register(self._wake.fd, select.POLLIN)
-            timeout = -1
-            if connections:
-                for connection in connections:
-                    poller.register(connection.fd, select.POLLIN)  # "look again", for reading or writing
-                left = min(_LOOK_AGAIN, min(c.deadline for c in connections) - time.monotonic())
-                timeout = max(0, math.ceil(left * 1000))
-            poller.poll(timeout)
-            self._wake.drain()
-            now = time.monotonic()
-            for connection in connections:
-                why, readable = None, False
-                with connection.lock:
-                    if not connection.closed:
-                        why = connection.flush(now)
-                        readable = why is None and connection.look()
-                if why is not None:
-                    self._failed(connection, why)
-                if readable:
-                    self._readable()
-
-    def close(self) -> None:
-        """Stop the thread (what waits stays in the connections)."""
-        with self._lock:
-            self._closed = True
-            thread = self._thread
-        self._wake.kick()
-        if thread is not None:
-            thread.join()
-        self._wake.close()
+    def serve(self, connection: Connection, now: float) -> None:
+        why, readable = None, False
+        with connection.lock:
+            if not connection.closed:
+                why = connection.flush(now)
+                readable = why is None and connection.look()
+        if why is not None:
+            self._failed(connection, why)
+        if readable:
+            self._readable()
