@@ -97,3 +97,19 @@ def test_an_unknown_or_silent_endpoint_or_one_with_nothing_in_flight_loses_no_re
     assert t.connection_lost(A0, LOST, 70.0).released == []  # a notice's connection: it stays silent
     assert t.endpoint_state(A0) is EndpointState.SILENT
     assert t.take()["r"].error is not LOST
+
+
+def test_an_endpoint_revived_with_readiness_left_in_flight_times_out_and_never_raises() -> None:
+    """Found by the state machine: a revived endpoint whose resend of one layer failed (REVIVED
+    again) still has the other layers in flight; past reply_timeout it goes silent and its request
+    fails, where ``expire`` raised StateError (TIMEOUT was illegal in REVIVED)."""
+    t = _tracker()
+    t.add_request("a", D0, main_block_ids=[1], num_tokens=4, now=0.0)
+    t.connection_lost(A0, LOST, 0.0)  # nothing in flight yet: REVIVED, the next readiness after an mf_meta
+    step, _ = t.schedule({"a": 4}, 0.0)
+    _announce_all(t, step, 1.0)
+    t.send_failed(A0, 0, ChannelError("reset"), 1.0)  # layer 0's readiness did not go
+    assert t.endpoint_state(A0) is EndpointState.REVIVED and t.in_flight(A0) == frozenset({1, 2})
+    effects = t.expire(1.0 + TIMEOUT + 1)
+    assert effects.disconnects == [A0] and t.endpoint_state(A0) is EndpointState.SILENT
+    assert t.take()["a"].state is TerminalState.FAILED
