@@ -561,6 +561,25 @@ MALFORMED = {  # what Decode may send that is not an engine's answer, and what t
 }
 
 
+def decode_mangled(engines: Any, change: Any, *, stream: bool) -> Any:
+    """A handler for :func:`engines_as`: ``engines``' answers, Decode's POST answer (each event of
+    it when streamed, ``[DONE]`` aside) passed through ``change``."""
+    async def odd(request: httpx.Request) -> httpx.Response:
+        answer = await engines(request)
+        if request.url.host != "decode" or request.method != "POST":
+            return answer
+        if not stream:
+            return httpx.Response(200, json=change(answer.json()))
+
+        async def mangled() -> Any:
+            async for raw in answer.stream:  # type: ignore[union-attr]
+                yield raw if raw == b"data: [DONE]\n\n" else event(change(json.loads(raw[6:])))
+
+        return httpx.Response(200, content=mangled(), headers={"content-type": "text/event-stream"})
+
+    return odd
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("shape", sorted(MALFORMED))
 def test_a_decode_answer_of_another_shape_is_a_502_naming_it_not_a_proxy_fault(shape: str, stream: bool) -> None:
@@ -571,20 +590,7 @@ def test_a_decode_answer_of_another_shape_is_a_502_naming_it_not_a_proxy_fault(s
         said = "choices are not a list"
 
     async def scenario(client: httpx.AsyncClient, engines: Engines) -> None:
-        async def odd(request: httpx.Request) -> httpx.Response:
-            answer = await engines(request)
-            if request.url.host != "decode" or request.method != "POST":
-                return answer
-            if not stream:
-                return httpx.Response(200, json=change(answer.json()))
-
-            async def mangled() -> Any:
-                async for raw in answer.stream:  # type: ignore[union-attr]
-                    yield raw if raw == b"data: [DONE]\n\n" else event(change(json.loads(raw[6:])))
-
-            return httpx.Response(200, content=mangled(), headers={"content-type": "text/event-stream"})
-
-        engines_as(client, odd)
+        engines_as(client, decode_mangled(engines, change, stream=stream))
         answer = await client.post("/v1/completions", json={**GREEDY, "return_token_ids": True, "stream": stream})
         if stream:  # the first token went out with the headers: an error event follows, no [DONE]
             got = events(answer.content)

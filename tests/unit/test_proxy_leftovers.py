@@ -8,18 +8,15 @@ breaks is counted ``failed`` once. The engines are test_proxy's and test_proxy_f
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any
 
 import httpx
 import pytest
 import test_proxy
 import test_proxy_first_token as first_token
 from test_proxy_first_limits import listing
-from test_proxy_first_token import GREEDY, MALFORMED, engines_as, events, metric
+from test_proxy_first_token import GREEDY, MALFORMED, decode_mangled, engines_as, events, metric
 from test_proxy_gone import BOUND, assert_gone
 
-from rd2h.proxy.bodies import event
 from rd2h.proxy.instances import Pool
 from rd2h.proxy.models import ModelLengths, refusal
 
@@ -91,20 +88,7 @@ def test_a_decode_answer_of_another_shape_is_counted_failed_once(stream: bool) -
     change, _ = MALFORMED["text_not_a_string"]
 
     async def scenario(client: httpx.AsyncClient, engines: first_token.Engines) -> None:
-        async def odd(request: httpx.Request) -> httpx.Response:
-            answer = await engines(request)
-            if request.url.host != "decode" or request.method != "POST":
-                return answer
-            if not stream:
-                return httpx.Response(200, json=change(answer.json()))
-
-            async def mangled() -> Any:
-                async for raw in answer.stream:  # type: ignore[union-attr]
-                    yield raw if raw == b"data: [DONE]\n\n" else event(change(json.loads(raw[6:])))
-
-            return httpx.Response(200, content=mangled(), headers={"content-type": "text/event-stream"})
-
-        engines_as(client, odd)
+        engines_as(client, decode_mangled(engines, change, stream=stream))
         answer = await client.post("/v1/completions", json={**GREEDY, "stream": stream})
         if stream:
             assert "error" in events(answer.content)[-1]
