@@ -157,9 +157,10 @@ async def models_answer(proxy: Proxy, request: Request) -> Response:
     try:
         answer = await proxy.client.get(instance.url + "/v1/models", headers=headers, timeout=httpx.Timeout(
             30.0, connect=proxy.config.connect_timeout))
-    except httpx.TransportError as exc:
-        proxy.decode_pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
-        return error_answer(f"{instance.url}: {exc}", 502)
+    except httpx.HTTPError as exc:  # unreachable, or an answer httpx cannot decode (alive: it answered)
+        if isinstance(exc, httpx.TransportError):
+            proxy.decode_pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
+        return error_answer(f"{instance.url}: {type(exc).__name__}: {exc}", 502)
     if answer.status_code == 200:
         try:
             proxy.model_lengths.note(instance, read_json(answer.content, "its listing"))

@@ -1,7 +1,7 @@
 """The proxy's loose ends: a client gone while the proxy stops a failed request's other leg is
 a client gone (499), not that failure; an engine's answer httpx cannot read (DecodingError, no
-TransportError) is that engine's 502; the lengths learned from Decode's ``/v1/models`` are
-asked again once old (in the background), checked against the Decodes a request may go to (not
+TransportError) is that engine's 502, a model list's too; the lengths learned from Decode's
+``/v1/models`` are asked again once old (in the background), checked against the Decodes a request may go to (not
 the smallest of all), and their listings stop with the proxy; a first-token stream Decode
 breaks is counted ``failed`` once. The engines are test_proxy's and test_proxy_first_token's."""
 
@@ -76,6 +76,25 @@ def test_an_engine_answer_that_does_not_decode_is_that_engines_502(role: str, ki
         proxy = engines.public_proxy
         assert proxy.pending == {} and all(i.up and i.outstanding == 0 for pool in (
             proxy.prefill_pool, proxy.decode_pool) for i in pool.instances)  # fmt: skip
+
+    test_proxy.run(scenario)
+
+
+def test_a_model_list_that_does_not_decode_is_decodes_502() -> None:
+    """The proxy's /v1/models passes a Decode's answer on: one httpx cannot decode is Decode's 502
+    naming it (the instance stays up: it answered), not an exception out of the handler."""
+    async def scenario(client: httpx.AsyncClient, engines: test_proxy.Engines) -> None:
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.method == "GET" and request.url.path == "/v1/models":
+                return httpx.Response(200, content=b"not gzip", headers={"content-encoding": "gzip"})
+            return await engines(request)
+
+        engines.public_proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        answer = await client.get("/v1/models")
+        assert answer.status_code == 502, answer.text
+        message = answer.json()["error"]["message"]
+        assert "http://decode" in message and "DecodingError" in message, message
+        assert all(i.up for i in engines.public_proxy.decode_pool.instances)
 
     test_proxy.run(scenario)
 
