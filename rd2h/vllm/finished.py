@@ -64,6 +64,11 @@ class Finishing:
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._finishing = (req_id, self._recv.get(req_id), self._send.get(req_id))  # for finish_after_error
+        answer = self._finish(request, req_id, block_ids)
+        self._finishing = (None, None, None)  # finished: nothing for finish_after_error, no send kept alive
+        return answer
+
+    def _finish(self, request: Any, req_id: str, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         self._unclaim_id(req_id)
         handoff = self._handoffs.pop(req_id, None)  # claimed, never allocated with its KV: released
         recv = self._recv.pop(req_id, None)

@@ -66,6 +66,19 @@ def test_prefill_finish_error_holds_blocks_a_send_reads_until_the_workers_end_it
     connector.shutdown()
 
 
+def test_a_finish_that_did_not_raise_keeps_nothing_for_the_error_path(model: Path) -> None:
+    """request_finished's snapshot (for finish_after_error) goes once it returned: it does not keep
+    the finished request's send alive, nor answer for it later."""
+    scheduler, _ = make_scheduler(model, "kv_producer")
+    connector = scheduler.connector
+    req = "cmpl-g9-0-abcdef12"
+    scheduler.add_request(make_request(req, 64, prefill_params("g9"), max_tokens=1))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner_output(out, sampled={req: 7}))  # finished, held for its send
+    assert req not in connector.scheduler._send and connector.scheduler._finishing == (None, None, None)
+    connector.shutdown()
+
+
 def test_decode_finish_error_midway_still_stops_the_pull(
     model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
