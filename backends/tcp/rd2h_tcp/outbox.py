@@ -45,7 +45,7 @@ class Link:
 
     __slots__ = (
         "sock", "fd", "address", "reader", "lock", "closed", "outbox", "queued_bytes", "deadline", "idle_since",
-        "draining", "_settings", "_writer",
+        "_settings", "_writer",
     )  # fmt: skip
 
     def __init__(self, sock: socket.socket, address: str, settings: Settings, writer: Writer) -> None:
@@ -55,11 +55,10 @@ class Link:
         self.reader = FrameReader(settings.max_frame_bytes, len(MAGIC))  # recv's thread only
         self.lock = threading.Lock()
         self.closed = False
-        self.outbox: deque[memoryview] = deque()  # bytes the socket had no room for, in order
+        self.outbox: deque[memoryview] = deque()  # bytes the socket had no room for, in order; in the writer's set
         self.queued_bytes = 0
         self.deadline = 0.0  # when the outbox's head frame must be written by
         self.idle_since = 0.0  # when the outbox last took bytes (or began)
-        self.draining = False  # in the writer's set
         self._settings = settings
         self._writer = writer
 
@@ -80,7 +79,6 @@ class Link:
         self.deadline = now + self._settings.send_timeout
         self.idle_since = now
         self._queue(memoryview(data)[sent:], now)
-        self.draining = True
         self._writer.add(self)
 
     def _queue(self, rest: memoryview, now: float) -> None:
@@ -118,7 +116,6 @@ class Link:
                 return LATE if now >= self.deadline else None
             outbox.popleft()
             self.deadline = now + self._settings.send_timeout  # the next frame's own wait
-        self.draining = False
         self._writer.discard(self)
         return None
 
@@ -133,10 +130,9 @@ class Link:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
             except OSError:
                 pass
-        self.outbox.clear()
-        self.queued_bytes = 0
-        if self.draining:
-            self.draining = False
+        if self.outbox:
+            self.outbox.clear()
+            self.queued_bytes = 0
             self._writer.discard(self)
         self.sock.close()
 

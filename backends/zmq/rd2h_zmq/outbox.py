@@ -46,8 +46,8 @@ _LOOK_AGAIN = 0.05  # seconds the writer waits at most while frames wait (should
 class Connection:
     """One DEALER to a Decode address. Every call but ``__init__`` under ``lock``."""
 
-    __slots__ = ("sock", "fd", "address", "lock", "closed", "outbox", "queued_bytes", "deadline", "draining",
-                 "_settings", "_writer")
+    __slots__ = ("sock", "fd", "address", "lock", "closed", "outbox", "queued_bytes", "deadline", "_settings",
+                 "_writer")
 
     def __init__(self, sock: zmq.Socket[bytes], address: str, settings: Settings, writer: Writer) -> None:
         self.sock = sock
@@ -55,10 +55,9 @@ class Connection:
         self.address = address
         self.lock = threading.Lock()
         self.closed = False
-        self.outbox: deque[bytes] = deque()  # frames libzmq had no room for, in order
+        self.outbox: deque[bytes] = deque()  # frames libzmq had no room for, in order; in the writer's set
         self.queued_bytes = 0  # their size
         self.deadline = 0.0  # when libzmq must have taken the outbox's head frame
-        self.draining = False  # in the writer's set
         self._settings = settings
         self._writer = writer
 
@@ -74,7 +73,6 @@ class Connection:
             self.deadline = time.monotonic() + self._settings.send_timeout_ms / 1000
             self.outbox.append(payload)
             self.queued_bytes = len(payload)
-            self.draining = True
             self._writer.add(self)
         except zmq.ZMQError as exc:
             raise ChannelError(f"send to {self.address} failed: {exc.strerror}") from exc
@@ -102,7 +100,7 @@ class Connection:
         """Whether a message waits to be read. Tells the writer when frames wait and the socket
         has room (this call may have consumed the fd's signal the writer waits for)."""
         events = self.sock.getsockopt(zmq.EVENTS)
-        if self.draining and events & zmq.POLLOUT:
+        if self.outbox and events & zmq.POLLOUT:
             self._writer.kick()
         return bool(events & zmq.POLLIN)
 
@@ -120,7 +118,6 @@ class Connection:
                 return BROKEN
             self.queued_bytes -= len(outbox.popleft())
             self.deadline = now + self._settings.send_timeout_ms / 1000  # the next frame's own wait
-        self.draining = False
         self._writer.discard(self)
         return None
 
@@ -129,10 +126,9 @@ class Connection:
         if self.closed:
             return
         self.closed = True
-        self.outbox.clear()
-        self.queued_bytes = 0
-        if self.draining:
-            self.draining = False
+        if self.outbox:
+            self.outbox.clear()
+            self.queued_bytes = 0
             self._writer.discard(self)
         self.sock.close(linger=linger_ms)
 
