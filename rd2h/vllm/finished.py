@@ -124,11 +124,7 @@ class Finishing:
             return False, None
         if send is None:
             return False, None
-        self._send.pop(req_id, None)  # type: ignore[arg-type]
-        for target in send.targets:
-            self._sending.pop(target.ext_id, None)
-        if self._targets is not None:
-            self._targets.cancel(req_id)
+        self._drop_send(req_id, send)  # type: ignore[arg-type]
         if not send.started:  # no worker was told of its blocks: nothing reads them
             return False, None
         if not any(f.req_id == req_id for f in self._send_finish):  # a Decode may read them: held until it ends
@@ -185,7 +181,8 @@ class Finishing:
         return meta
 
     def _drop_send(self, req_id: str, send: Any) -> None:
-        del self._send[req_id]
+        """Forget ``send`` (no worker sends it, or it is aborted): its targets' ids and late-targets ask go too."""
+        self._send.pop(req_id, None)  # request_finished may have popped it before it raised
         for target in send.targets:
             self._sending.pop(target.ext_id, None)
         if self._targets is not None:

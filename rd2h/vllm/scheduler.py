@@ -370,11 +370,7 @@ class RD2HScheduler(Finishing, LateSends, NothingToPull):
                 # preempted: vLLM freed its blocks and gives it new ones; what was announced
                 # is gone. Stop it (Decode fails it); its blocks are vLLM's to free again.
                 log.error("request %s was preempted while its KV was being sent; it fails", req_id)
-                del self._send[req_id]
-                for target in send.targets:
-                    self._sending.pop(target.ext_id, None)
-                if self._targets is not None:
-                    self._targets.cancel(req_id)
+                self._drop_send(req_id, send)
                 send_abort += [t.ext_id for t in send.targets if send.started]  # a whole one: if sent
                 continue
             new_ids = cached.new_block_ids[i]
