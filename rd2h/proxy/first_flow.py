@@ -264,8 +264,12 @@ async def _stream(proxy: Proxy, pending: Pending, request: tuple[str, dict[str, 
             yield error_event(str(exc), 502)
             return
         if response.status_code >= 400:
-            data = await response.aread()
-            await response.aclose()
+            try:
+                data = await response.aread()
+            except httpx.HTTPError as exc:  # its error body did not come whole (or does not decode): still its 4xx/5xx
+                data = f"({type(exc).__name__}: {exc})".encode()
+            finally:  # a recomputing Decode's answer is no leg: stop_legs would not close it
+                await response.aclose()
             proxy.metrics.first_token.labels("failed").inc()
             proxy.finish(pending, response.status_code, f"Decode answered {response.status_code}")
             message = f"Decode answered {response.status_code}: {data[:300].decode(errors='replace')}"

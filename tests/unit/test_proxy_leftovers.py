@@ -1,6 +1,6 @@
 """The proxy's loose ends: a client gone while the proxy stops a failed request's other leg is
 a client gone (499), not that failure; an engine's answer httpx cannot read (DecodingError, no
-TransportError) is that engine's 502, a model list's too; the lengths learned from Decode's
+TransportError) is that engine's 502, a model list's and a streamed error body's too; the lengths learned from Decode's
 ``/v1/models`` are asked again once old (in the background), checked against the Decodes a request may go to (not
 the smallest of all), and their listings stop with the proxy; a first-token stream Decode
 breaks is counted ``failed`` once. The engines are test_proxy's and test_proxy_first_token's."""
@@ -8,6 +8,7 @@ breaks is counted ``failed`` once. The engines are test_proxy's and test_proxy_f
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import pytest
@@ -97,6 +98,32 @@ def test_a_model_list_that_does_not_decode_is_decodes_502() -> None:
         assert all(i.up for i in engines.public_proxy.decode_pool.instances)
 
     test_proxy.run(scenario)
+
+
+def test_a_decode_error_body_that_does_not_read_ends_a_first_token_stream_with_an_error_event() -> None:
+    """Decode refused a first-token stream's leg, but its error body does not decode (httpx.DecodingError
+    while reading it): still Decode's failure, an error event after the first token, not an exception
+    out of the stream (the request recorded as a client gone)."""
+    async def scenario(client: httpx.AsyncClient, engines: first_token.Engines) -> None:
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.host == "decode":
+                async def body() -> Any:  # streamed: read (and decoded) only after the headers
+                    yield b"not gzip"
+
+                return httpx.Response(400, content=body(), headers={"content-encoding": "gzip"})
+            return await engines(request)
+
+        engines_as(client, handle)
+        answer = await client.post("/v1/completions", json={**GREEDY, "stream": True})
+        got = events(answer.content)
+        assert got[0]["choices"][0]["text"] == "A" and len(got) == 2, got
+        message = got[-1]["error"]["message"]
+        assert "Decode answered 400" in message and "DecodingError" in message, message
+        record = (await client.get("/v1/rd2h/requests", headers=test_proxy.OPERATOR)).json()[-1]
+        assert record["status"] == 400, record
+        await first_token.assert_ended(client, engines, "failed")
+
+    first_token.run(scenario)
 
 
 # -- the first-token flow's outcome -----------------------------------------------------------------
