@@ -292,8 +292,9 @@ _BY_LABEL = (
         "hook",
         "vllm:rd2h_hook_errors",
         "vLLM hook calls that raised inside rd2h (a bug, logged with its traceback) and were caught so that the "
-        "engine goes on, by hook: on_new_request, get_num_new_matched_tokens, update_state_after_alloc "
-        "(scheduler), bind_connector_metadata (per worker).",
+        "engine goes on, by hook: on_new_request, get_num_new_matched_tokens, update_state_after_alloc, "
+        "request_finished, build_connector_meta, update_connector_output (scheduler), bind_connector_metadata "
+        "(per worker).",
     ),
 )
 _HISTOGRAMS = (
