@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rd2h.proxy.app import Proxy
     from rd2h.proxy.pending import Pending
 
-__all__ = ["ClosingStream", "end_once", "gone_status", "never_ran", "stop_legs"]
+__all__ = ["ClosingStream", "abandon", "end_once", "gone_status", "never_ran", "stop_legs"]
 
 
 def gone_status(exc: BaseException) -> tuple[int, str, str]:
@@ -56,16 +56,24 @@ async def stop_legs(*legs: asyncio.Future[Any] | None) -> None:
             await cancel(leg)
 
 
+async def abandon(proxy: Proxy, pending: Pending, exc: BaseException, *legs: asyncio.Future[Any] | None,
+                  response: httpx.Response | None = None) -> None:
+    """A handler left on ``exc`` with its legs out: the request ends (unless it ended already), its
+    legs are stopped and ``response`` (an answer that is no leg's, or one not relayed) is closed."""
+    end_once(proxy, pending, exc)
+    await stop_legs(*legs)
+    if response is not None:
+        await response.aclose()
+
+
 def never_ran(proxy: Proxy, pending: Pending, *legs: asyncio.Future[Any] | None,
               response: httpx.Response | None = None) -> Callable[[], Awaitable[None]]:
     """``on_close`` for a stream whose generator may never run (the client gone before the headers
-    went out): unless the request ended already, it ends as the client gone, its legs are stopped
-    and ``response`` (Decode's answer, which the generator would have closed) is closed."""
+    went out): unless the request ended already, :func:`abandon` as the client gone (``response``:
+    Decode's answer, which the generator would have closed)."""
     async def end() -> None:
-        if end_once(proxy, pending, asyncio.CancelledError()):
-            await stop_legs(*legs)
-            if response is not None:
-                await response.aclose()
+        if pending.rid in proxy.pending:
+            await abandon(proxy, pending, asyncio.CancelledError(), *legs, response=response)
     return end
 
 

@@ -49,7 +49,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from rd2h.proxy.abandon import ClosingStream, end_once, never_ran, stop_legs
+from rd2h.proxy.abandon import ClosingStream, abandon, never_ran
 from rd2h.proxy.bodies import Refused, error_body, parse_body, prefill_body, read_limited, shape_of
 from rd2h.proxy.early import all_heard, leg_unless_nothing, nothing_to_prefill, prefill_owes
 from rd2h.proxy.failures import (
@@ -305,10 +305,7 @@ class Proxy:
                 self.finish(pending, response.status_code)
                 return Response(data, status_code=response.status_code, headers=answer_headers)
         except BaseException as exc:  # the client went away (or the server stops) while the legs were out
-            end_once(self, pending, exc)
-            await stop_legs(decode, prefill)
-            if response is not None:  # a recomputing Decode's, which is no leg
-                await response.aclose()
+            await abandon(self, pending, exc, decode, prefill, response=response)  # a recomputing Decode's: no leg
             raise
         return ClosingStream(relay(self, response, prefill, pending, (path, body)), status_code=response.status_code,
                              headers=answer_headers, on_close=never_ran(self, pending, decode, prefill,
