@@ -7,6 +7,9 @@ this thread's set (``add``) until its outbox is empty again (``discard``). The t
 until the earliest connection's ``deadline`` (when its head frame must have left), and then
 hands each connection in the set to the backend's ``serve`` (write what it can, fail what
 waited too long). ``close`` stops the thread; what waits stays in the connections.
+``serve`` reports a connection to drop as ``LATE`` (a frame waited past ``send_timeout``) or
+``BROKEN`` (the socket failed); the dialer keeps why it failed a ``LATE`` one for its
+``take_failures`` (``FailureReport``) or the next send there, whichever comes first.
 
 Locks: the writer's own lock covers its set and starting the thread. It is taken under a
 connection's lock (``add``/``discard`` from the connection's own calls), never the other way:
@@ -24,7 +27,10 @@ from typing import Generic, Protocol, TypeVar
 
 from rd2h.wake_pipe import WakePipe
 
-__all__ = ["Drained", "WriterThread"]
+__all__ = ["BROKEN", "LATE", "Drained", "FailureReport", "WriterThread"]
+
+LATE = "late"  # a frame waited past send_timeout
+BROKEN = "broken"  # the socket failed
 
 
 class Drained(Protocol):
@@ -113,3 +119,19 @@ class WriterThread(abc.ABC, Generic[C]):
         if thread is not None:
             thread.join()
         self._wake.close()
+
+
+class FailureReport:
+    """``Dialer.take_failures`` for a dialer that keeps the connections its writer failed
+    (``LATE``) and no send has raised yet in ``_failed`` (address: why), under its ``_lock``."""
+
+    _failed: dict[str, str]
+    _lock: threading.Lock
+
+    def take_failures(self) -> dict[str, str]:
+        """Connections failed since the last call, with why; consumed. Thread-safe."""
+        if not self._failed:  # the Prefill asks on every turn: no lock while there is none
+            return {}
+        with self._lock:
+            failures, self._failed = self._failed, {}
+        return failures

@@ -31,7 +31,7 @@ from rd2h.wake_pipe import WakePipe
 from rd2h_tcp.addresses import parse
 from rd2h_tcp.busy_poll import poll_briefly
 from rd2h_tcp.framing import IDENTITY_BYTES, MAGIC, encode
-from rd2h_tcp.outbox import LATE, Link, Writer
+from rd2h_tcp.outbox import LATE, FailureReport, Link, Writer
 from rd2h_tcp.settings import Settings
 
 __all__ = ["TcpDialer"]
@@ -43,7 +43,7 @@ _POLL_IN = select.POLLIN | select.POLLPRI
 _RESET = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
-class TcpDialer(Dialer):
+class TcpDialer(FailureReport, Dialer):
     """Connects to each Decode address on first send (bounded by ``send_timeout``) and greets
     it with this dialer's identity, fixed for its life: a reconnect after ``disconnect`` or a
     Decode restart is the same peer to the listener.
@@ -179,15 +179,6 @@ class TcpDialer(Dialer):
             link.shut(abort=why == LATE)
         if late:
             self._wake.wake()
-
-    def take_failures(self) -> dict[str, str]:
-        """Connections the writer failed (a frame waited past ``send_timeout``) since the last call
-        and that no send has raised yet, with why; consumed. Thread-safe."""
-        if not self._failed:  # the sender asks on every turn: no lock while there is none
-            return {}
-        with self._lock:
-            failures, self._failed = self._failed, {}
-        return failures
 
     def _connect(self, address: str) -> Link:
         parsed = parse(address)

@@ -27,16 +27,14 @@ from collections import deque
 from collections.abc import Callable
 
 from rd2h.errors import ChannelError
-from rd2h.writer_thread import WriterThread
+from rd2h.writer_thread import BROKEN, LATE, FailureReport, WriterThread
 from rd2h_tcp.framing import MAGIC, FrameReader
 from rd2h_tcp.settings import Settings
 
-__all__ = ["BROKEN", "LATE", "Link", "Writer"]
+__all__ = ["Link", "Writer", "BROKEN", "LATE", "FailureReport"]  # the last three are rd2h.writer_thread's
 
 log = logging.getLogger("rd2h_tcp")
 
-LATE = "late"  # a frame waited past send_timeout
-BROKEN = "broken"  # the socket failed
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 
 

@@ -31,15 +31,13 @@ from collections.abc import Callable
 import zmq
 
 from rd2h.errors import ChannelError
-from rd2h.writer_thread import WriterThread
+from rd2h.writer_thread import BROKEN, LATE, FailureReport, WriterThread
 from rd2h_zmq.settings import Settings
 
-__all__ = ["BROKEN", "LATE", "Connection", "FailureReport", "Writer"]
+__all__ = ["Connection", "Writer", "BROKEN", "LATE", "FailureReport"]  # the last three are rd2h.writer_thread's
 
 log = logging.getLogger("rd2h_zmq")
 
-LATE = "late"  # a frame waited past send_timeout
-BROKEN = "broken"  # the socket failed
 _LOOK_AGAIN = 0.05  # seconds the writer waits at most while frames wait (should an fd's signal be missed)
 
 
@@ -131,22 +129,6 @@ class Connection:
             self.queued_bytes = 0
             self._writer.discard(self)
         self.sock.close(linger=linger_ms)
-
-
-class FailureReport:
-    """``take_failures`` for the dialer: the connections its writer failed (``LATE``) and no send
-    has raised yet, kept in the dialer's ``_failed`` under its ``_lock``."""
-
-    _failed: dict[str, str]
-    _lock: threading.Lock
-
-    def take_failures(self) -> dict[str, str]:
-        """Connections failed since the last call, with why; consumed. Thread-safe."""
-        if not self._failed:  # the Prefill asks on every turn: no lock while there is none
-            return {}
-        with self._lock:
-            failures, self._failed = self._failed, {}
-        return failures
 
 
 class Writer(WriterThread[Connection]):
