@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
 from fastapi import Request
@@ -50,6 +50,12 @@ def lengths_of(listing: Any) -> dict[str, int]:
             and card["max_model_len"] > 0}  # fmt: skip
 
 
+class _Known(NamedTuple):
+    epoch: int  # the Decode process that said it
+    lengths: dict[str, int]  # {model: max_model_len}
+    when: float  # the clock's time it was said
+
+
 class ModelLengths:
     """``max_model_len`` per Decode instance, learned from its ``/v1/models`` once per epoch (a
     restarted engine may serve another length) and asked again, in the background, once older than
@@ -59,11 +65,16 @@ class ModelLengths:
 
     def __init__(self, max_age: float = MAX_AGE, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_age, self._clock = max_age, clock
-        self._known: dict[str, tuple[int, dict[str, int], float]] = {}  # url -> (epoch, {model: length}, when)
+        self._known: dict[str, _Known] = {}  # url -> what its listing said, in which epoch, when
         self._asking: dict[str, asyncio.Task[None]] = {}  # one listing in flight per instance
 
     def note(self, instance: Instance, listing: Any) -> None:
-        self._known[instance.url] = (instance.epoch, lengths_of(listing), self._clock())
+        self._known[instance.url] = _Known(instance.epoch, lengths_of(listing), self._clock())
+
+    def _in_epoch(self, url: str, epoch: int) -> _Known | None:
+        """What ``url``'s listing said in ``epoch`` (an earlier process's lengths are not its own)."""
+        known = self._known.get(url)
+        return known if known is not None and known.epoch == epoch else None
 
     def learn(self, client: httpx.AsyncClient, pool: Pool, timeout: float,
               headers: dict[str, str]) -> asyncio.Future[Any] | None:
@@ -73,15 +84,14 @@ class ModelLengths:
         ``max_age`` is asked again too, but nobody waits for it: the known one serves meanwhile."""
         tasks = []
         for instance in pool.instances:
-            known = self._known.get(instance.url)
-            learned = known is not None and known[0] == instance.epoch
-            if not instance.up or (known is not None and learned and self._clock() - known[2] < self.max_age):
+            known = self._in_epoch(instance.url, instance.epoch)
+            if not instance.up or (known is not None and self._clock() - known.when < self.max_age):
                 continue
             task = self._asking.get(instance.url)
             if task is None or task.done():
                 task = self._asking[instance.url] = asyncio.create_task(
                     self._ask(client, instance, timeout, headers))
-            if not learned:
+            if known is None:
                 tasks.append(task)
         return asyncio.gather(*tasks) if tasks else None
 
@@ -99,12 +109,12 @@ class ModelLengths:
             listing = None
         if instance.epoch != epoch:
             return
-        known = self._known.get(instance.url)
-        if listing is None and known is not None and known[0] == epoch:  # a refresh failed: what it said stands
-            lengths = known[1]
+        known = self._in_epoch(instance.url, epoch)
+        if listing is None and known is not None:  # a refresh failed: what it said stands
+            lengths = known.lengths
         else:
             lengths = lengths_of(listing)
-        self._known[instance.url] = (epoch, lengths, self._clock())
+        self._known[instance.url] = _Known(epoch, lengths, self._clock())
 
     def lengths(self, pool: Pool, model: Any) -> dict[str, int | None]:
         """Each up Decode instance's ``max_model_len`` for ``model`` (a request without a model: the
@@ -113,8 +123,8 @@ class ModelLengths:
         for instance in pool.instances:
             if not instance.up:
                 continue
-            known = self._known.get(instance.url)
-            lengths = known[1] if known is not None and known[0] == instance.epoch else {}
+            known = self._in_epoch(instance.url, instance.epoch)
+            lengths = known.lengths if known is not None else {}
             found[instance.url] = (lengths.get(model) if isinstance(model, str)
                                    else next(iter(lengths.values()), None))  # fmt: skip
         return found
