@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rd2h.proxy.abandon import stop_legs
+from rd2h.proxy.failures import EngineError
 from rd2h.proxy.instances import Instance
 from rd2h.proxy.readiness import note_readiness
 
@@ -162,9 +164,6 @@ async def warm_up_pair(proxy: Proxy, prefill: Instance, decode: Instance, body: 
     """One P/D request through this pair only, as a client's goes: both legs must answer 200 and
     Decode must have posted its rendezvous (else it computed the prompt itself and nothing was
     transferred). Raises :class:`WarmupFailed` saying where it stopped."""
-    from rd2h.proxy.abandon import stop_legs
-    from rd2h.proxy.app import EngineError  # the request flow's own pieces
-
     headers = {"x-request-id": f"rd2h-warmup-{secrets.token_hex(4)}"}
     pending, prefill_leg, decode_leg = proxy.begin(WARMUP_PATH, body, (1, 1), headers,
                                                    pinned={"prefill": prefill, "decode": decode})
