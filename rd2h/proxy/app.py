@@ -65,7 +65,7 @@ from rd2h.proxy.failures import (
 from rd2h.proxy.first_flow import first_token_answer
 from rd2h.proxy.instances import Instance, Pool, gone_for_good
 from rd2h.proxy.metrics import ProxyMetrics
-from rd2h.proxy.models import FORWARDED_HEADERS, ModelLengths, models_answer
+from rd2h.proxy.models import ModelLengths, forwarded, models_answer
 from rd2h.proxy.pending import Pending
 from rd2h.proxy.readiness import note_readiness
 from rd2h.proxy.relay import relay
@@ -268,7 +268,7 @@ class Proxy:
 
     async def handle(self, request: Request, path: str) -> Response:
         arrived = time.monotonic()
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        headers = forwarded(request)
         headers.setdefault("x-request-id", uuid.uuid4().hex)
         answer_headers = {"x-request-id": headers["x-request-id"]}
         try:

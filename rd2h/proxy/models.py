@@ -31,12 +31,18 @@ from rd2h.proxy.instances import Instance, Pool
 if TYPE_CHECKING:
     from rd2h.proxy.app import Proxy
 
-__all__ = ["MAX_AGE", "ModelLengths", "lengths_of", "models_answer", "refusal", "too_long"]
+__all__ = ["FORWARDED_HEADERS", "MAX_AGE", "ModelLengths", "forwarded", "lengths_of", "models_answer", "refusal",
+           "too_long"]
 
 log = logging.getLogger("rd2h.proxy")
 
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 MAX_AGE = 60.0  # seconds a learned length is used before it is asked again (behind the requests, never before one)
+
+
+def forwarded(request: Request) -> dict[str, str]:
+    """The client's headers an engine hears too (its key, its request id)."""
+    return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
 
 
 def lengths_of(listing: Any) -> dict[str, int]:
@@ -160,7 +166,7 @@ def too_long(prompt_tokens: int, max_tokens: int, limit: int | None) -> str | No
 async def models_answer(proxy: Proxy, request: Request) -> Response:
     """A Decode's model list (both kinds serve the same model); its lengths are noted on the way."""
     assert proxy.client is not None
-    headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+    headers = forwarded(request)
     instance = proxy.decode_pool.pick()
     if instance is None:
         return error_answer("no decode instance is up", 503)
