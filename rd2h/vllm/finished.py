@@ -59,7 +59,8 @@ class Finishing:
     _unclaim: Any
     # what request_finished found when it began, and the sends (started or not) a step began with
     _finishing: tuple[Any, Any, Any] = (None, None, None)
-    _sends_before: dict[str, tuple[Any, bool]] = {}
+    _sends_before: dict[str, Any] = {}
+    _steps = 0  # build_connector_meta calls: a send's ``started`` is the step it started in
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -151,22 +152,25 @@ class Finishing:
         if ext_id is not None:
             self._unclaim(request, ext_id)
 
-    def snapshot_sends(self) -> None:
-        """What ``meta_after_error`` compares with: each send, and whether its blocks reached the workers."""
-        self._sends_before = {req_id: (send, send.started) for req_id, send in self._send.items()}
+    def begin_step(self) -> None:
+        """A step's metadata is being built. What ``meta_after_error`` compares with: the sends the
+        step began with (a copy, no per-send work each step); their ``started`` step tells whether
+        their blocks reached the workers before this step or in it (then in the lost metadata)."""
+        self._steps += 1
+        self._sends_before = self._send.copy()
 
     def meta_after_error(self) -> StepMetadata:
         """``build_connector_meta`` raised: this step's metadata, from what is safe (module docstring)."""
         send_abort: list[str] = []
         finishing = {f.req_id for f in self._send_finish}
         released = set()
-        for req_id, (send, started) in self._sends_before.items():
-            now = self._send.get(req_id)
+        for req_id, send in self._sends_before.items():
+            now, started = self._send.get(req_id), 0 < send.started < self._steps  # started before this step
             if now is None and started and req_id not in finishing:  # preempted: vLLM gives it new blocks
                 send_abort += [t.ext_id for t in send.targets]
             elif now is None and not started and req_id in finishing:  # finished, held, then its targets came
                 released.add(req_id)  # its first blocks were in the lost metadata: no worker reads them
-            elif now is not None and now.started and not started:  # ... of a live request: it is not sent
+            elif now is not None and now.started == self._steps:  # ... of a live request: it is not sent
                 self._drop_send(req_id, now)
         self._send_finish = [f for f in self._send_finish if f.req_id not in released]
         meta = StepMetadata(

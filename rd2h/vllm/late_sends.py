@@ -34,7 +34,7 @@ LATE_IDLE_WAIT = 0.01  # the longest an idle step waits for the targets of a fin
 class Send:
     targets: list[Target]  # one per Decode request (sample) this request's blocks serve
     num_tokens: int
-    started: bool = False  # its first blocks went to the workers
+    started: int = 0  # the step (1, 2, ...) its first blocks went to the workers in; 0: not yet
     done: bool = False  # every prompt token was scheduled
     pending: list[list[int]] | None = None  # several groups, or targets not known yet: its blocks so far
     later: Later | None = None  # Prefill asked before the rendezvous: its targets come from the proxy
@@ -54,6 +54,7 @@ class LateSends:
     _release: list[str]
     _whole: bool
     _clock: Any
+    _steps: int  # build_connector_meta calls (Finishing): a send's ``started`` is the step it started in
     stats: dict[str, int]
 
     def _track_send(self, request: Any, params: Mapping[str, Any]) -> None:
@@ -129,7 +130,7 @@ class LateSends:
             self.stats["late_targets"] += 1
             if send.pending is None or (self._whole and send.written < send.num_tokens):
                 continue  # not scheduled yet, or sent whole with its last tokens: as any other
-            groups, send.pending, send.started = tuple(tuple(g) for g in send.pending), None, True
+            groups, send.pending, send.started = tuple(tuple(g) for g in send.pending), None, self._steps
             send.done = send.written >= send.num_tokens
             send_new += [SendSpec(t.ext_id, req_id, str(t.endpoint), groups, send.num_tokens, t.first_block,
                                   written=send.written) for t in targets]  # fmt: skip

@@ -336,7 +336,7 @@ class RD2HScheduler(Finishing, LateSends, NothingToPull):
     # -- Prefill -------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
-        self.snapshot_sends()  # what meta_after_error compares with, should this raise
+        self.begin_step()  # what meta_after_error compares with, should this raise
         self._handoff_results()  # a failed hand-off's abort goes out with this step
         send_new: list[SendSpec] = []
         send_blocks: list[SendBlocks] = []
@@ -353,7 +353,7 @@ class RD2HScheduler(Finishing, LateSends, NothingToPull):
                 send.pending = [list(g) for g in groups]
                 self._gathered(new.req_id, send, tokens, send_new, computed)
                 continue
-            send.started = True
+            send.started = self._steps
             send_new += [
                 SendSpec(t.ext_id, new.req_id, str(t.endpoint), groups, send.num_tokens, t.first_block)
                 for t in send.targets
@@ -394,6 +394,7 @@ class RD2HScheduler(Finishing, LateSends, NothingToPull):
             hold=tuple(self._hold_new), release=tuple(self._release),
         )
         self._recv_new, self._recv_abort, self._send_finish, self._hold_new, self._release = [], [], [], [], []
+        self._sends_before = {}  # built: nothing for meta_after_error, no finished send kept alive
         return meta
 
     def _gathered(self, req_id: str, send: Send, tokens: int, send_new: list, computed: list) -> None:
@@ -404,7 +405,7 @@ class RD2HScheduler(Finishing, LateSends, NothingToPull):
             return
         if tokens < send.num_tokens:
             return
-        groups, send.started, send.pending = tuple(tuple(g) for g in send.pending), True, None
+        groups, send.started, send.pending = tuple(tuple(g) for g in send.pending), self._steps, None
         send_new += [SendSpec(t.ext_id, req_id, str(t.endpoint), groups, send.num_tokens, t.first_block)
                      for t in send.targets]  # fmt: skip
         computed += self._computed(send, tokens)

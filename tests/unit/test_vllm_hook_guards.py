@@ -172,6 +172,32 @@ def test_a_metadata_error_still_sends_what_was_queued_and_drops_sends_not_announ
     connector.shutdown()
 
 
+def test_a_metadata_error_still_aborts_a_send_preempted_in_that_step(
+    model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its workers were told of its blocks in an earlier step; vLLM gives it new ones: the abort
+    the lost metadata carried still goes out."""
+    scheduler, _ = make_scheduler(model, "kv_producer", batched=128)
+    connector, ours = scheduler.connector, scheduler.connector.scheduler
+    req = "cmpl-g10-0-abcdef12"
+    scheduler.add_request(make_request(req, 290, prefill_params("g10"), max_tokens=1))
+    out = scheduler.schedule()
+    assert meta_of(out).send_new
+    scheduler.update_from_output(out, runner_output(out))
+    build = ours.build_connector_meta
+
+    def preempted(scheduler_output: Any) -> Any:  # as vLLM marks a resumed request
+        scheduler_output.scheduled_cached_reqs.resumed_req_ids.add(req)
+        return build(scheduler_output)
+
+    monkeypatch.setattr(ours, "build_connector_meta", preempted)
+    monkeypatch.setattr("rd2h.vllm.scheduler.StepMetadata", bug)  # raises once the step's sends are settled
+    meta = meta_of(scheduler.schedule())
+    assert hook_errors(connector, caplog) == ["build_connector_meta"]
+    assert meta.send_abort == (ext("g10"),) and req not in ours._send
+    connector.shutdown()
+
+
 def test_a_late_send_whose_allocation_hook_raised_never_holds_its_blocks(
     model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
