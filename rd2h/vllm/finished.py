@@ -24,6 +24,7 @@ The safe answer never frees blocks a transfer may still read, and never holds th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -31,6 +32,8 @@ from rd2h.vllm.metadata import SendFinish, StepMetadata
 from rd2h.vllm.params import PARAMS_KEY
 
 __all__ = ["FailedLoadStep", "FailedLoads", "Finishing"]
+
+log = logging.getLogger("rd2h.vllm.finished")
 
 
 class Finishing:
@@ -218,7 +221,9 @@ class FailedLoads:
         try:  # an older vLLM takes failures as blocks (main group); a newer one by request
             ids = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
             main = tuple(int(b) for b in ids[0])
-        except Exception:  # noqa: BLE001 - the request still fails, by id
+        except Exception as exc:  # noqa: BLE001 - the request still fails, by id
+            log.warning("rd2h: request %s: its blocks are unreadable (%r); a vLLM that takes load failures as "
+                        "blocks only may take its unwritten KV as loaded", req_id, exc)  # fmt: skip
             main = ()
         self._pending[req_id] = main
 

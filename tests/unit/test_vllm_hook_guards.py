@@ -16,7 +16,7 @@ from test_vllm_late_targets import later, prefill_whole_prompt
 from test_vllm_scheduler import decode_params, ext, meta_of, prefill_params
 from vllm_kit import BLOCK, make_request, make_scheduler, runner_output, write_model
 
-from rd2h.vllm.metadata import WorkerReport
+from rd2h.vllm.metadata import StepMetadata, WorkerReport
 from rd2h.vllm.worker import RD2HWorker
 
 
@@ -237,3 +237,19 @@ def test_a_handoff_pull_whose_allocation_hook_raised_late_still_releases_the_hol
     assert freed_by(prefill) == {"p-req"}
     assert connector.scheduler.stats["handoff_released"] == 1 and not connector.scheduler._recv
     connector.shutdown()
+
+
+def test_a_failed_load_whose_blocks_are_unreadable_still_fails_by_id_and_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An older vLLM learns a load failed from its blocks only: not knowing them is said, not silent."""
+    from types import SimpleNamespace
+
+    from rd2h.vllm.finished import FailedLoads
+
+    failed, workers = FailedLoads(), FailedLoads()
+    with caplog.at_level(logging.WARNING, logger="rd2h.vllm.finished"):
+        failed.fail(SimpleNamespace(request_id="r1"), object())
+    assert ["unreadable" in r.getMessage() for r in caplog.records] == [True]
+    workers.bind(failed.attach(StepMetadata()))
+    assert workers.take() == {"r1"} and workers.take_blocks() == set()
