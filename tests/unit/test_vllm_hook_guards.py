@@ -6,6 +6,7 @@ vLLM waits for KV for never waits forever."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,19 @@ def worker_connector(connector_cls: type) -> Any:
     return connector
 
 
+def engine(model: Path, role: str, **kwargs: Any) -> tuple[Any, Any, Callable[[], bool]]:
+    """vLLM's scheduler with rd2h, what it posted, and whether every block it had free is free again."""
+    scheduler, posts = make_scheduler(model, role, **kwargs)
+    pool = scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    return scheduler, posts, lambda: pool.get_num_free_blocks() == free
+
+
 def test_prefill_finish_error_holds_blocks_a_send_reads_until_the_workers_end_it(
     model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    scheduler, _ = make_scheduler(model, "kv_producer")
-    connector, pool = scheduler.connector, scheduler.kv_cache_manager.block_pool
-    free = pool.get_num_free_blocks()
+    scheduler, _, all_free = engine(model, "kv_producer")
+    connector = scheduler.connector
     req = "cmpl-g1-0-abcdef12"
     scheduler.add_request(make_request(req, 64, prefill_params("g1"), max_tokens=1))
     out = scheduler.schedule()
@@ -57,12 +65,12 @@ def test_prefill_finish_error_holds_blocks_a_send_reads_until_the_workers_end_it
     monkeypatch.setattr(connector.scheduler, "request_finished", bug)
     scheduler.update_from_output(out, runner_output(out, sampled={req: 7}))  # finished: no raise into vLLM
     assert hook_errors(connector, caplog) == ["request_finished"]
-    assert pool.get_num_free_blocks() < free  # held: the send may still read them
+    assert not all_free()  # held: the send may still read them
     out = scheduler.schedule()
     (finish,) = meta_of(out).send_finish  # ... until the workers stop it and report it
     assert (finish.ext_id, finish.req_id, finish.aborted) == (ext("g1"), req, True)
     scheduler.update_from_output(out, runner_output(out, finished_sending={req}))
-    assert pool.get_num_free_blocks() == free
+    assert all_free()
     connector.shutdown()
 
 
@@ -84,9 +92,8 @@ def test_decode_finish_error_midway_still_stops_the_pull(
 ) -> None:
     from vllm.v1.request import RequestStatus
 
-    scheduler, posts = make_scheduler(model, "kv_consumer")
-    connector, pool = scheduler.connector, scheduler.kv_cache_manager.block_pool
-    free = pool.get_num_free_blocks()
+    scheduler, posts, all_free = engine(model, "kv_consumer")
+    connector = scheduler.connector
     req = "cmpl-g2-0-abcdef12"
     scheduler.add_request(make_request(req, 100, decode_params("g2")))
     out = scheduler.schedule()
@@ -96,9 +103,9 @@ def test_decode_finish_error_midway_still_stops_the_pull(
     scheduler.update_from_output(out, runner_output(out, kv_connector_worker_meta=WorkerReport({ext("g2"): 1})))
     out = scheduler.schedule()
     assert meta_of(out).recv_abort == (ext("g2"),) and not posts.bodies  # stopped, never posted
-    assert pool.get_num_free_blocks() < free  # a pull may still write them
+    assert not all_free()  # a pull may still write them
     scheduler.update_from_output(out, runner_output(out, finished_recving={req}))
-    assert pool.get_num_free_blocks() == free
+    assert all_free()
     connector.shutdown()
 
 
@@ -108,9 +115,8 @@ def test_a_load_whose_allocation_hook_raised_fails_at_once_by_the_policy(
 ) -> None:
     from vllm.v1.request import RequestStatus
 
-    scheduler, posts = make_scheduler(model, "kv_consumer", load_failure_policy=policy)
-    connector, pool = scheduler.connector, scheduler.kv_cache_manager.block_pool
-    free = pool.get_num_free_blocks()
+    scheduler, posts, all_free = engine(model, "kv_consumer", load_failure_policy=policy)
+    connector = scheduler.connector
     monkeypatch.setattr(connector.scheduler, "update_state_after_alloc", bug)
     req = "cmpl-g3-0-abcdef12"
     request = make_request(req, 100, decode_params("g3"))
@@ -126,7 +132,7 @@ def test_a_load_whose_allocation_hook_raised_fails_at_once_by_the_policy(
                                                     failed_recving=results.failed_recving))  # fmt: skip
     if policy == "fail":
         assert request.status == RequestStatus.FINISHED_ERROR and req not in scheduler.requests
-        assert pool.get_num_free_blocks() == free
+        assert all_free()
     else:  # computed here, never matched again
         out = scheduler.schedule()
         assert out.num_scheduled_tokens == {req: 100} and not meta_of(out).recv
@@ -138,9 +144,8 @@ def test_a_load_whose_allocation_hook_raised_fails_at_once_by_the_policy(
 def test_an_output_hook_error_leaves_vllm_to_free_what_the_workers_finished(
     model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    scheduler, _ = make_scheduler(model, "kv_producer")
-    connector, pool = scheduler.connector, scheduler.kv_cache_manager.block_pool
-    free = pool.get_num_free_blocks()
+    scheduler, _, all_free = engine(model, "kv_producer")
+    connector = scheduler.connector
     req = "cmpl-g4-0-abcdef12"
     scheduler.add_request(make_request(req, 64, prefill_params("g4"), max_tokens=1))
     out = scheduler.schedule()
@@ -149,16 +154,15 @@ def test_an_output_hook_error_leaves_vllm_to_free_what_the_workers_finished(
     monkeypatch.setattr(connector.scheduler, "update_connector_output", bug)
     scheduler.update_from_output(out, runner_output(out, finished_sending={req}))
     assert hook_errors(connector, caplog) == ["update_connector_output"]
-    assert pool.get_num_free_blocks() == free
+    assert all_free()
     connector.shutdown()
 
 
 def test_a_metadata_error_still_sends_what_was_queued_and_drops_sends_not_announced(
     model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    scheduler, _ = make_scheduler(model, "kv_producer")
-    connector, pool = scheduler.connector, scheduler.kv_cache_manager.block_pool
-    free = pool.get_num_free_blocks()
+    scheduler, _, all_free = engine(model, "kv_producer")
+    connector = scheduler.connector
     req = "cmpl-g5-0-abcdef12"
     scheduler.add_request(make_request(req, 64, prefill_params("g5"), max_tokens=1))
     with monkeypatch.context() as patch:
@@ -167,7 +171,7 @@ def test_a_metadata_error_still_sends_what_was_queued_and_drops_sends_not_announ
     assert hook_errors(connector, caplog) == ["build_connector_meta"]
     assert not meta_of(out).send_new and out.num_scheduled_tokens == {req: 64}  # computed, not sent
     scheduler.update_from_output(out, runner_output(out, sampled={req: 7}))
-    assert pool.get_num_free_blocks() == free  # no worker knew its blocks: freed at its finish, never held
+    assert all_free()  # no worker knew its blocks: freed at its finish, never held
     assert not meta_of(scheduler.schedule()).send_finish
     connector.shutdown()
 
@@ -203,15 +207,14 @@ def test_a_late_send_whose_allocation_hook_raised_never_holds_its_blocks(
 ) -> None:
     """Prefill asked at once: the hook raised once the send was tracked, before its targets were
     asked for. Its finish must not hold the blocks for targets that never come (nothing would free them)."""
-    scheduler, _ = make_scheduler(model, "kv_producer", batched=128)
-    connector, pool = scheduler.connector, scheduler.kv_cache_manager.block_pool
-    free = pool.get_num_free_blocks()
+    scheduler, _, all_free = engine(model, "kv_producer", batched=128)
+    connector = scheduler.connector
     monkeypatch.setattr(connector.scheduler, "_ask_targets", bug)
     req = "cmpl-g7-0-abcdef12"
     scheduler.add_request(make_request(req, 40, later("g7"), max_tokens=1))
     prefill_whole_prompt(scheduler, req)  # computed, finished
     assert hook_errors(connector, caplog) == ["update_state_after_alloc"]
-    assert pool.get_num_free_blocks() == free and not connector.scheduler._send  # freed at its finish
+    assert all_free() and not connector.scheduler._send  # freed at its finish
     connector.shutdown()
 
 
