@@ -60,6 +60,7 @@ class Finishing:
     _finished_early: Any
     _release_handoff: Any
     _unclaim: Any
+    _unclaim_id: Any
     # what request_finished found when it began, and the sends (started or not) a step began with
     _finishing: tuple[Any, Any, Any] = (None, None, None)
     _sends_before: dict[str, Any] = {}
@@ -105,12 +106,6 @@ class Finishing:
         self._send_finish += [SendFinish(t.ext_id, req_id, aborted) for t in send.targets]
         return True, None
 
-    def _unclaim_id(self, req_id: str) -> None:
-        claimed = self._claimed.pop(req_id, None)
-        if claimed is not None:
-            self._claims.pop(claimed, None)
-            self._landed.discard(claimed)
-
     def finish_after_error(self, request: Any) -> tuple[bool, None]:
         """``request_finished`` raised for ``request``: the safe answer (module docstring)."""
         req_id = getattr(request, "request_id", None)
@@ -151,9 +146,8 @@ class Finishing:
         handoff = self._handoffs.pop(req_id, None) or (recv.handoff if recv is not None else None)
         if handoff is not None:  # every Prefill rank frees the held blocks now
             self._release_handoff(request, handoff, nothing=False)
-        ext_id = self._claimed.get(req_id)
-        if ext_id is not None:
-            self._unclaim(request, ext_id)
+        if req_id in self._claimed:
+            self._unclaim(request)
 
     def begin_step(self) -> None:
         """A step's metadata is being built. What ``meta_after_error`` compares with: the sends the

@@ -56,6 +56,7 @@ class NothingToPull:
     _poster: Any
     _claims: dict[str, str]
     _claimed: dict[str, str]
+    _landed: set[str]
     _said_nothing: dict[str, None]  # oldest first, at most _REMEMBERED
     _refuse: Any  # the scheduler's: logged and counted in ``refused_params``
     _asker: Any  # Decode's HandoffAsker, made on first use
@@ -69,12 +70,17 @@ class NothingToPull:
             self._asker = HandoffAsker(timeout=self.config.handoff_timeout)
         return self._asker
 
-    def _unclaim(self, request: Any, ext_id: str) -> None:
-        """Nothing lands under ``ext_id`` for ``request``: its claim goes at once and its
-        ``do_remote_prefill`` is consumed (a preempted request never pulls later)."""
-        if self._claims.get(ext_id) == request.request_id:
-            del self._claims[ext_id]
-        self._claimed.pop(request.request_id, None)
+    def _unclaim_id(self, req_id: str) -> None:
+        """``req_id``'s claim on an id (if any) goes: another request may pull that id."""
+        claimed = self._claimed.pop(req_id, None)
+        if claimed is not None:
+            self._claims.pop(claimed, None)
+            self._landed.discard(claimed)
+
+    def _unclaim(self, request: Any) -> None:
+        """Nothing lands for ``request``: its claim goes at once and its ``do_remote_prefill`` is
+        consumed (a preempted request never pulls later)."""
+        self._unclaim_id(request.request_id)
         params = getattr(request, "kv_transfer_params", None) or {}
         request.kv_transfer_params = {**params, "do_remote_prefill": False}
 
@@ -85,7 +91,7 @@ class NothingToPull:
         held blocks now. ``(0, False)``: the request is computed here."""
         req_id, ext_id = request.request_id, handoff.ext_id
         self._handoffs.pop(req_id, None)  # matched before: not asked for, nor released again
-        self._unclaim(request, ext_id)
+        self._unclaim(request)
         if nothing:
             self.stats["nothing_to_pull"] += 1
         self.stats["handoff_released"] += 1
@@ -118,7 +124,7 @@ class NothingToPull:
         would load without a prefix-cache hit): the proxy is told once, signed, and the claim and
         the request's ``do_remote_prefill`` are released (a preempted request never pulls later)."""
         req_id, num_tokens = request.request_id, len(request.prompt_token_ids or ())
-        self._unclaim(request, ext_id)
+        self._unclaim(request)
         said = self._said_nothing
         if ext_id in said:  # a replay of its fields: computed here, said once, refused (counted)
             self._refuse(req_id, f"id {ext_id} was said to load nothing already (a replay of its fields)")
